@@ -1,0 +1,56 @@
+"""SpecConfig: everything that configures speculation, in one frozen dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How freespec speculates.
+
+    drafter: a registered drafter name (``freespec.drafters.available()``) or a
+        ``Drafter`` instance (shared across calls: that is how a corpus is shared).
+    drafter_options: keyword arguments for the named drafter's constructor.
+    max_draft_tokens: most tree nodes verified per step (the root not counted).
+    max_draft_depth: longest path in a draft.
+    adaptive_budget: let the drafter size the tree from a measured cost model
+        (drafters that support it, e.g. ``mixture``); otherwise the budget is fixed.
+    """
+
+    drafter: Any = "prompt_lookup"
+    drafter_options: Mapping[str, Any] = field(default_factory=dict)
+    max_draft_tokens: int = 24
+    max_draft_depth: int = 12
+    adaptive_budget: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 0:
+            raise ValueError(f"max_draft_tokens must be an int >= 0, got {self.max_draft_tokens!r}")
+        if not isinstance(self.max_draft_depth, int) or self.max_draft_depth < 0:
+            raise ValueError(f"max_draft_depth must be an int >= 0, got {self.max_draft_depth!r}")
+        if not isinstance(self.drafter_options, Mapping):
+            raise ValueError(f"drafter_options must be a mapping, got {type(self.drafter_options).__name__}")
+        if not isinstance(self.drafter, str) and not hasattr(self.drafter, "propose"):
+            raise ValueError(
+                f"drafter must be a drafter name or an object with start/propose/extend/stop, got {self.drafter!r}"
+            )
+        if isinstance(self.drafter, str):
+            from .drafters import available
+
+            if self.drafter not in available():
+                raise ValueError(f"drafter={self.drafter!r} is unknown; available: {', '.join(available())}")
+        elif self.drafter_options:
+            raise ValueError("drafter_options only apply to a drafter given by name, not to a Drafter instance")
+
+    def replace(self, **overrides) -> "SpecConfig":
+        """A copy with ``overrides``; an unknown key raises ``TypeError`` naming it."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown SpecConfig option(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}"
+            )
+        return dataclasses.replace(self, **overrides)

@@ -1,0 +1,293 @@
+"""Draft: a token tree proposed by a drafter, as a parent array.
+
+A draft hangs under the *root*, the last committed token. Node ``i`` carries
+``token_ids[i]`` and its parent ``parents[i]`` (``-1`` = child of the root).
+Nodes are in topological order (``parents[i] < i``) and siblings carry
+distinct tokens, so every root-to-node path is a distinct continuation.
+
+Worked example: continuations ``[5, 6, 7]`` and ``[5, 8]`` of the context
+merge into ``token_ids=[5, 6, 8, 7]``, ``parents=[-1, 0, 0, 1]``::
+
+    root ── 5 ─┬─ 6 ── 7
+               └─ 8
+
+A chain is ``parents=[-1, 0, 1, ...]``. ``scores[i]`` is the drafter's
+estimate that node ``i`` is accepted (monotone: a child never scores above
+its parent); ``sources[i]`` names the drafter that proposed node ``i`` so
+the engine can count proposed/accepted tokens per drafter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How large a draft the engine will verify this step.
+
+    ``num_nodes``: at most this many tree nodes (the root not counted).
+    ``max_depth``: no path longer than this (tokens left before max_length,
+    minus the bonus token the verifier always adds).
+    """
+
+    num_nodes: int
+    max_depth: int
+
+    def __post_init__(self):
+        if self.num_nodes < 0 or self.max_depth < 0:
+            raise ValueError(f"Budget needs num_nodes >= 0 and max_depth >= 0, got {self}")
+
+
+@dataclass(frozen=True)
+class Draft:
+    token_ids: np.ndarray  # [n] int64
+    parents: np.ndarray  # [n] int32, -1 = child of the root
+    scores: np.ndarray | None = None  # [n] float32, or None for "unknown"
+    sources: tuple[str, ...] = field(default=())  # [n] drafter name per node, or () for "unnamed"
+
+    def __post_init__(self):
+        token_ids = np.ascontiguousarray(self.token_ids, dtype=np.int64).reshape(-1)
+        parents = np.ascontiguousarray(self.parents, dtype=np.int32).reshape(-1)
+        object.__setattr__(self, "token_ids", token_ids)
+        object.__setattr__(self, "parents", parents)
+        if self.scores is not None:
+            object.__setattr__(self, "scores", np.ascontiguousarray(self.scores, dtype=np.float32).reshape(-1))
+        object.__setattr__(self, "sources", tuple(self.sources))
+
+    # ------------------------------------------------------------------ builders
+    @classmethod
+    def empty(cls) -> "Draft":
+        return cls(np.zeros(0, np.int64), np.zeros(0, np.int32))
+
+    @classmethod
+    def chain(cls, token_ids: Sequence[int], source: str = "", score: float | None = None) -> "Draft":
+        """``chain([4, 9, 2]) -> token_ids=[4, 9, 2], parents=[-1, 0, 1]``."""
+        n = len(token_ids)
+        scores = None if score is None else np.full(n, score, np.float32)
+        return cls(np.asarray(token_ids, np.int64), np.arange(-1, n - 1, dtype=np.int32), scores,
+                   (source,) * n if source else ())
+
+    @classmethod
+    def from_sequences(
+        cls,
+        sequences: Iterable[Sequence[int]],
+        weights: Iterable[float] | None = None,
+        num_nodes: int | None = None,
+        max_depth: int | None = None,
+        source: str = "",
+    ) -> "Draft":
+        """Merge continuations into a trie, keep the ``num_nodes`` most likely nodes.
+
+        A node's score is the weight of the sequences through it over the total
+        weight, an estimate of the chance its path is the true continuation.
+        ``from_sequences([[5, 6, 7], [5, 8]], weights=[3, 1])`` scores
+        ``5 -> 1.0, 6 -> 0.75, 7 -> 0.75, 8 -> 0.25``; with ``num_nodes=3``
+        node ``8`` is dropped.
+        """
+        sequences = [list(s) for s in sequences]
+        weights = [1.0] * len(sequences) if weights is None else [float(w) for w in weights]
+        if len(weights) != len(sequences):
+            raise ValueError(f"weights has {len(weights)} entries for {len(sequences)} sequences")
+        trie = _Trie()
+        for seq, weight in zip(sequences, weights):
+            trie.insert(seq[:max_depth] if max_depth is not None else seq, weight)
+        return trie.to_draft(num_nodes, source)
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def num_nodes(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def __len__(self) -> int:
+        return self.num_nodes
+
+    def depths(self) -> np.ndarray:
+        """Depth of each node, 1 for children of the root: ``[-1, 0, 0, 1] -> [1, 2, 2, 3]``."""
+        depths = np.zeros(self.num_nodes, np.int64)
+        for i, parent in enumerate(self.parents):
+            depths[i] = 1 if parent < 0 else depths[parent] + 1
+        return depths
+
+    def node_source(self, i: int) -> str:
+        return self.sources[i] if self.sources else ""
+
+    def validate(self, budget: Budget | None = None) -> "Draft":
+        """Raise ``ValueError`` unless this is a well-formed tree (within ``budget``)."""
+        n = self.num_nodes
+        if self.parents.shape[0] != n:
+            raise ValueError(f"Draft has {n} token_ids but {self.parents.shape[0]} parents")
+        if self.scores is not None and self.scores.shape[0] != n:
+            raise ValueError(f"Draft has {n} nodes but {self.scores.shape[0]} scores")
+        if self.sources and len(self.sources) != n:
+            raise ValueError(f"Draft has {n} nodes but {len(self.sources)} sources")
+        if n and (np.any(self.parents < -1) or np.any(self.parents >= np.arange(n))):
+            raise ValueError(f"Draft parents must satisfy -1 <= parents[i] < i, got {self.parents.tolist()}")
+        if n and np.any(self.token_ids < 0):
+            raise ValueError("Draft token_ids must be non-negative")
+        seen = set()
+        for parent, token in zip(self.parents.tolist(), self.token_ids.tolist()):
+            if (parent, token) in seen:
+                raise ValueError(f"Draft has two children of node {parent} with token {token}")
+            seen.add((parent, token))
+        if budget is not None:
+            if n > budget.num_nodes:
+                raise ValueError(f"Draft has {n} nodes, over the budget of {budget.num_nodes}")
+            if n and int(self.depths().max()) > budget.max_depth:
+                raise ValueError(f"Draft is deeper than the budget's max_depth={budget.max_depth}")
+        return self
+
+    # -------------------------------------------------------------- transforms
+    def prune(self, num_nodes: int, max_depth: int | None = None) -> "Draft":
+        """Keep at most ``num_nodes`` nodes no deeper than ``max_depth``.
+
+        With scores, the best-scoring nodes are kept (a node is kept only with its
+        parent); without, the first nodes in order.
+        """
+        n = self.num_nodes
+        keep = np.ones(n, bool)
+        if max_depth is not None:
+            keep &= self.depths() <= max_depth
+        if keep.sum() > num_nodes:
+            if self.scores is None:
+                idx = np.nonzero(keep)[0][:num_nodes]
+                keep[:] = False
+                keep[idx] = True
+            else:
+                order = sorted(np.nonzero(keep)[0].tolist(), key=lambda i: (-float(self.scores[i]), i))
+                chosen = np.zeros(n, bool)
+                count = 0
+                for i in order:
+                    if count == num_nodes:
+                        break
+                    if self.parents[i] < 0 or chosen[self.parents[i]]:
+                        chosen[i] = True
+                        count += 1
+                keep = chosen
+        for i in range(n):  # a node whose parent is dropped is dropped
+            if keep[i] and self.parents[i] >= 0 and not keep[self.parents[i]]:
+                keep[i] = False
+        return self.select(np.nonzero(keep)[0])
+
+    def select(self, nodes: np.ndarray) -> "Draft":
+        """Sub-tree of the given nodes (ascending, closed under parents), renumbered."""
+        nodes = np.asarray(nodes, np.int64)
+        new_index = np.full(self.num_nodes, -1, np.int64)
+        new_index[nodes] = np.arange(nodes.shape[0])
+        old_parents = self.parents[nodes]
+        parents = np.where(old_parents < 0, -1, new_index[np.maximum(old_parents, 0)])
+        return Draft(
+            self.token_ids[nodes],
+            parents.astype(np.int32),
+            None if self.scores is None else self.scores[nodes],
+            tuple(self.sources[i] for i in nodes.tolist()) if self.sources else (),
+        )
+
+    def paths(self) -> list[list[int]]:
+        """Token path of every leaf: ``[-1, 0, 0] with tokens [5, 6, 8] -> [[5, 6], [5, 8]]``."""
+        has_child = np.zeros(self.num_nodes, bool)
+        has_child[self.parents[self.parents >= 0]] = True
+        out = []
+        for leaf in np.nonzero(~has_child)[0].tolist():
+            path = []
+            node = leaf
+            while node >= 0:
+                path.append(int(self.token_ids[node]))
+                node = int(self.parents[node])
+            out.append(path[::-1])
+        return out
+
+
+def merge(drafts: Sequence[Draft], num_nodes: int | None = None) -> Draft:
+    """Merge drafts into one deduplicated tree.
+
+    Paths shared by several drafts become one path; a shared node keeps the
+    highest score and the source of the draft that proposed it first.
+    ``merge([chain([1, 2]), chain([1, 3])]) -> token_ids=[1, 2, 3], parents=[-1, 0, 0]``.
+    """
+    token_ids: list[int] = []
+    parents: list[int] = []
+    scores: list[float] = []
+    sources: list[str] = []
+    index: dict[tuple[int, int], int] = {}
+    for draft in drafts:
+        local = np.empty(draft.num_nodes, np.int64)
+        for i in range(draft.num_nodes):
+            parent = int(draft.parents[i])
+            merged_parent = -1 if parent < 0 else int(local[parent])
+            key = (merged_parent, int(draft.token_ids[i]))
+            score = 1.0 if draft.scores is None else float(draft.scores[i])
+            if key in index:
+                j = index[key]
+                scores[j] = max(scores[j], score)
+            else:
+                j = len(token_ids)
+                index[key] = j
+                token_ids.append(key[1])
+                parents.append(merged_parent)
+                scores.append(score)
+                sources.append(draft.node_source(i))
+            local[i] = j
+    merged = Draft(np.asarray(token_ids, np.int64), np.asarray(parents, np.int32),
+                   np.asarray(scores, np.float32), tuple(sources) if any(sources) else ())
+    # max() of scores can break monotonicity across merged drafts: restore it
+    fixed = merged.scores.copy()
+    for i in range(merged.num_nodes):
+        if merged.parents[i] >= 0:
+            fixed[i] = min(fixed[i], fixed[merged.parents[i]])
+    merged = Draft(merged.token_ids, merged.parents, fixed, merged.sources)
+    return merged if num_nodes is None else merged.prune(num_nodes)
+
+
+class _Trie:
+    """Weighted trie over token sequences; ``to_draft`` keeps the heaviest nodes."""
+
+    def __init__(self):
+        self.children: list[dict[int, int]] = [{}]  # node 0 is the root
+        self.token: list[int] = [-1]
+        self.parent: list[int] = [-1]
+        self.weight: list[float] = [0.0]
+
+    def insert(self, seq: Sequence[int], weight: float) -> None:
+        node = 0
+        self.weight[0] += weight
+        for token in seq:
+            token = int(token)
+            child = self.children[node].get(token)
+            if child is None:
+                child = len(self.token)
+                self.children[node][token] = child
+                self.children.append({})
+                self.token.append(token)
+                self.parent.append(node)
+                self.weight.append(0.0)
+            self.weight[child] += weight
+            node = child
+
+    def to_draft(self, num_nodes: int | None, source: str) -> Draft:
+        total = self.weight[0]
+        if total <= 0 or len(self.token) == 1:
+            return Draft.empty()
+        # best-first: a child never outweighs its parent, so the heaviest nodes form a subtree
+        import heapq
+
+        chosen: list[int] = []
+        heap = [(-self.weight[c], c) for c in self.children[0].values()]
+        heapq.heapify(heap)
+        limit = len(self.token) - 1 if num_nodes is None else num_nodes
+        while heap and len(chosen) < limit:
+            _, node = heapq.heappop(heap)
+            chosen.append(node)
+            for c in self.children[node].values():
+                heapq.heappush(heap, (-self.weight[c], c))
+        # chosen is in pop order, which is topological (parents pop before children)
+        new_index = {0: -1}
+        for i, node in enumerate(chosen):
+            new_index[node] = i
+        token_ids = np.asarray([self.token[n] for n in chosen], np.int64)
+        parents = np.asarray([new_index[self.parent[n]] for n in chosen], np.int32)
+        scores = np.asarray([self.weight[n] / total for n in chosen], np.float32)
+        return Draft(token_ids, parents, scores, (source,) * len(chosen) if source else ())

@@ -1,0 +1,64 @@
+"""SpecStats: counters and timings of one generate() call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DrafterStats:
+    proposed: int = 0  # draft nodes this drafter put in verified trees
+    accepted: int = 0  # of those, nodes on the accepted path
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+@dataclass
+class SpecStats:
+    """Counters of the last call.
+
+    ``mean_accepted`` (tau) is new tokens per target forward, prefill included,
+    so plain decoding scores exactly 1.00.
+    """
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    forward_passes: int = 0
+    steps_with_draft: int = 0
+    tokens_fed: int = 0  # tokens fed to the target after the prompt (roots + draft nodes)
+    draft_tokens: int = 0  # draft nodes verified
+    accepted_draft_tokens: int = 0
+    draft_s: float = 0.0  # time in the drafter (propose/extend/observe)
+    verify_s: float = 0.0  # time in target forwards and verification
+    total_s: float = 0.0
+    fallback_reason: str | None = None  # set when generate() ran without speculation
+    per_drafter: dict[str, DrafterStats] = field(default_factory=dict)
+
+    @property
+    def mean_accepted(self) -> float:
+        return self.new_tokens / self.forward_passes if self.forward_passes else 0.0
+
+    tau = mean_accepted
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s else 0.0
+
+    def drafter(self, name: str) -> DrafterStats:
+        if name not in self.per_drafter:
+            self.per_drafter[name] = DrafterStats()
+        return self.per_drafter[name]
+
+    def summary(self) -> str:
+        parts = [
+            f"{self.new_tokens} new tokens in {self.forward_passes} forwards (tau {self.mean_accepted:.2f})",
+            f"{self.tokens_per_s:.1f} tok/s",
+            f"draft {self.draft_s * 1e3:.0f} ms, verify {self.verify_s * 1e3:.0f} ms",
+        ]
+        for name, d in sorted(self.per_drafter.items()):
+            parts.append(f"{name}: {d.accepted}/{d.proposed} accepted")
+        if self.fallback_reason:
+            parts.append(f"fallback: {self.fallback_reason}")
+        return "; ".join(parts)
