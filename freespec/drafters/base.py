@@ -115,6 +115,13 @@ class Drafter:
         self._on_stop(request_id)
         del self._contexts[request_id]
 
+    def on_forward(self, num_tokens_fed: int, forward_s: float) -> None:
+        """Optional: the engine reports each target forward's size and time.
+
+        Drafters that size their trees from a live cost model (``mixture``)
+        calibrate c(k) from these; the default ignores them.
+        """
+
     def warmup(self) -> None:
         """Compile kernels ahead of the first request (no-op when there are none)."""
 

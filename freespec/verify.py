@@ -1,0 +1,77 @@
+"""Lossless verification of a draft tree (drafts are point masses).
+
+Glossary (as in vLLM's rejection sampler):
+- *accepted* tokens: draft nodes on the path the target keeps;
+- *bonus* token: the target's own token after the last accepted node (or at
+  the root when nothing is accepted); every forward yields at least this one.
+
+Rule, greedy and sampling alike: at the current node (the root first) pick
+``y`` from the target — argmax of the processed scores when greedy,
+``y ~ softmax(scores)`` when sampling — then descend to the child whose
+token is ``y``; if there is none, emit ``y`` as the bonus token and stop.
+
+For a chain this is "accept draft ``x`` with probability ``p(x)``, else
+sample from ``p`` with ``x`` removed", and the emitted tokens have exactly
+the target distribution: each emitted token is a fresh draw from ``p`` at
+its own prefix, whatever the draft was. Siblings must be distinct tokens.
+
+Worked example (greedy): root children ``{5: node 0, 7: node 2}``, node 0's
+children ``{6: node 1}``; argmax at the root is 5, at node 0 is 9: the
+accepted nodes are ``[0]`` and the bonus token is 9.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .tree import children_by_token
+
+
+@dataclass
+class Acceptance:
+    accepted_nodes: list[int]  # draft node indices along the kept path
+    token_ids: list[int]  # emitted tokens: the accepted nodes' tokens, then the bonus token
+    scores: list[torch.Tensor]  # processed scores [V] that chose each emitted token
+
+
+def choose_token(scores: torch.Tensor, do_sample: bool, generator: torch.Generator | None = None) -> int:
+    """argmax, or one draw from softmax(scores), exactly as HF's sampling loop does."""
+    if do_sample:
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, num_samples=1, generator=generator).item())
+    return int(torch.argmax(scores, dim=-1).item())
+
+
+def accept_tree(
+    draft_token_ids: np.ndarray,  # [n]
+    parents: np.ndarray,  # [n]
+    score_row: Callable[[int, list[int]], torch.Tensor],
+    do_sample: bool,
+    generator: torch.Generator | None = None,
+) -> Acceptance:
+    """Walk the tree from the root as the target would decode.
+
+    ``score_row(row, path_token_ids)`` returns the processed scores [V] at
+    ``row`` (0 = root, i + 1 = draft node i); ``path_token_ids`` are the tokens
+    accepted before it, so the caller can run the user's logits processors on
+    the right prefix. Only rows on the walked path are scored.
+    """
+    children = children_by_token(parents, draft_token_ids)
+    accepted_nodes: list[int] = []
+    token_ids: list[int] = []
+    scores: list[torch.Tensor] = []
+    row = 0
+    while True:
+        row_scores = score_row(row, token_ids)
+        token = choose_token(row_scores, do_sample, generator)
+        token_ids.append(token)
+        scores.append(row_scores)
+        child = children[row].get(token)
+        if child is None:
+            return Acceptance(accepted_nodes, token_ids, scores)
+        accepted_nodes.append(child)
+        row = child + 1
