@@ -1,0 +1,194 @@
+"""N-gram table: next-token statistics learned across requests.
+
+A fallback for when no long match exists. ``NgramTable`` maps each context
+n-gram (``min_n..max_n`` tokens) to weights of the tokens seen next, learned
+from every request's prompt and accepted output (weight 1) and, as in Token
+Recycling, from the target's top-k predictions at every verified node
+(weight ``model_weight / (rank + 1)``, below observed text). The draft is
+grown best-first: a node's score is the product of next-token frequencies
+along its path, each read from the longest n-gram of (context + path) that
+the table holds; nodes under ``min_prob`` are not drafted.
+
+Worked example, ``min_n=1, max_n=2``, learned ``[1, 2, 3, 1, 2, 4, 1, 2, 3]``:
+after ``[1, 2]`` the table holds ``{3: 2, 4: 1}``, after ``[2, 3]`` ``{1: 1}``.
+For the context ``[..., 1, 2]`` the draft begins ``3 (0.67) -> 1 (0.67)``
+beside ``4 (0.33)``.
+
+The table LEARNS ACROSS REQUESTS: with ``shared=True`` (the default) every
+request reads and feeds one table, so text of one request can be drafted in
+another. ``shared=False`` keeps one table per request, dropped at ``stop()``.
+Memory is bounded: at most ``max_entries`` contexts (least recently updated
+evicted first, O(1) per insertion) of at most ``max_next`` next tokens each
+(the lightest dropped for a new one). Measured (CPython 3.11, text-like
+ids): ~470 bytes per context entry, so the default 250k entries hold ~120 MB.
+
+Plain dicts, no Numba: measured on a full 250k-entry table and an 8k-token
+context, ``propose`` takes 0.1 ms (16 nodes), 0.33 ms (64), 0.6 ms (256);
+``extend`` of 4 tokens 0.04 ms; ``observe`` of 64 nodes x top-8 2 ms;
+learning an 8k-token prompt at ``start`` ~60 ms.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import struct
+from collections import OrderedDict
+from typing import Hashable
+
+import numpy as np
+
+from ..draft import Budget, Draft
+from .base import Drafter, VerifyOutput
+
+_TOKEN = struct.Struct("=i")  # keys are native int32 bytes, as ndarray.tobytes() of an int32 context
+
+
+class NgramTable:
+    """Bounded map: context n-gram (int32 bytes) -> {next_token: weight}."""
+
+    def __init__(self, min_n: int, max_n: int, max_entries: int, max_next: int):
+        self.min_n, self.max_n, self.max_entries, self.max_next = min_n, max_n, max_entries, max_next
+        self.entries: OrderedDict[bytes, dict[int, float]] = OrderedDict()  # least recently updated first
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, key: bytes, token: int, weight: float) -> None:
+        counts = self.entries.get(key)
+        if counts is None:
+            if len(self.entries) >= self.max_entries:
+                self.entries.popitem(last=False)
+            counts = self.entries[key] = {}
+        else:
+            self.entries.move_to_end(key)
+        if token in counts:
+            counts[token] += weight
+            return
+        if len(counts) >= self.max_next:
+            del counts[min(counts, key=counts.__getitem__)]
+        counts[token] = weight
+
+    def learn(self, tokens: np.ndarray, begin: int, weight: float = 1.0) -> None:
+        """Add ``tokens[j - n : j] -> tokens[j]`` for every ``j >= begin`` and n in range.
+
+        ``learn([1, 2, 3], 0)`` with ``min_n=1, max_n=2`` adds ``[1]->2, [2]->3, [1, 2]->3``.
+        """
+        raw = np.ascontiguousarray(tokens, np.int32).tobytes()  # [len(tokens)] int32
+        token_list = tokens.tolist()
+        for j in range(max(begin, self.min_n), len(token_list)):
+            for n in range(self.min_n, min(self.max_n, j) + 1):
+                self.add(raw[4 * (j - n) : 4 * j], token_list[j], weight)
+
+    def lookup(self, tail: bytes) -> dict[int, float] | None:
+        """Next-token weights after the longest n-gram ending ``tail`` that the table holds."""
+        for n in range(min(self.max_n, len(tail) // 4), self.min_n - 1, -1):
+            counts = self.entries.get(tail[len(tail) - 4 * n :])
+            if counts:
+                return counts
+        return None
+
+
+class NgramTableDrafter(Drafter):
+    """Best-first tree from n-gram next-token frequencies (see the module docstring).
+
+    min_n / max_n: context lengths of the table's keys.
+    max_entries / max_next: the memory bound (contexts, next tokens per context).
+    min_prob: draft no node whose path probability is below this.
+    observe_top_k: learn the target's top-k at verified nodes (0: don't).
+    model_weight: weight of the target's top-1 prediction (rank r gets it / (r + 1)).
+    shared: one table for all requests (True) or one per request (False).
+    """
+
+    name = "ngram"
+
+    def __init__(self, min_n: int = 1, max_n: int = 4, max_entries: int = 250_000, max_next: int = 8,
+                 min_prob: float = 0.05, observe_top_k: int = 8, model_weight: float = 0.25, shared: bool = True):
+        super().__init__()
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        if max_entries < 1 or max_next < 1:
+            raise ValueError(f"max_entries and max_next must be >= 1, got {max_entries}, {max_next}")
+        if not 0.0 < min_prob <= 1.0:
+            raise ValueError(f"min_prob must be in (0, 1], got {min_prob}")
+        if observe_top_k < 0 or model_weight < 0:
+            raise ValueError(f"observe_top_k and model_weight must be >= 0, got {observe_top_k}, {model_weight}")
+        self.min_n, self.max_n, self.max_entries, self.max_next = min_n, max_n, max_entries, max_next
+        self.min_prob, self.observe_top_k, self.model_weight = min_prob, observe_top_k, model_weight
+        self.shared = shared
+        self.table = NgramTable(min_n, max_n, max_entries, max_next) if shared else None
+        self._request_tables: dict[Hashable, NgramTable] = {}
+
+    def table_for(self, request_id: Hashable) -> NgramTable:
+        self._context(request_id)
+        return self.table if self.shared else self._request_tables[request_id]
+
+    def _on_start(self, request_id) -> None:
+        if not self.shared:
+            self._request_tables[request_id] = NgramTable(self.min_n, self.max_n, self.max_entries, self.max_next)
+        self.table_for(request_id).learn(self.context(request_id), 0)
+
+    def _on_extend(self, request_id, ids: np.ndarray) -> None:
+        context = self.context(request_id)
+        begin = max(0, context.shape[0] - ids.shape[0] - self.max_n)
+        self.table_for(request_id).learn(context[begin:], context.shape[0] - ids.shape[0] - begin)
+
+    def _on_stop(self, request_id) -> None:
+        self._request_tables.pop(request_id, None)
+
+    def observe(self, request_id: Hashable, verify_output: VerifyOutput) -> None:
+        """Learn the target's top-k after the committed context (row 0) and after each node's path.
+
+        Each prediction is added under the longest n-gram of its context and
+        under the shortest (``min_n``): the key ``propose`` reads first and the
+        fallback, at half the cost of every order. Called before ``extend`` of
+        the same step, so the context is still the committed one.
+        """
+        table = self.table_for(request_id)
+        draft = verify_output.draft
+        topk = np.asarray(verify_output.topk_token_ids)  # [num_nodes + 1, k]
+        if topk.ndim != 2 or topk.shape[0] != draft.num_nodes + 1:
+            raise ValueError(f"topk_token_ids must have shape [num_nodes + 1, k] = [{draft.num_nodes + 1}, k], "
+                             f"got {topk.shape}")
+        if self.observe_top_k == 0 or self.model_weight == 0:
+            return
+        keep = 4 * self.max_n
+        tails = [self.context(request_id)[-self.max_n :].tobytes()]  # tails[i + 1]: context + path to node i
+        for parent, token in zip(draft.parents.tolist(), draft.token_ids.tolist()):
+            tails.append((tails[parent + 1] + _TOKEN.pack(token))[-keep:])
+        weights = [self.model_weight / (rank + 1) for rank in range(topk.shape[1])]
+        for tail, row in zip(tails, topk[:, : self.observe_top_k].tolist()):
+            longest = min(self.max_n, len(tail) // 4)
+            for n in {self.min_n, longest} if longest >= self.min_n else ():  # most specific, fallback
+                key = tail[len(tail) - 4 * n :]
+                for rank, token in enumerate(row):
+                    if token >= 0:
+                        table.add(key, token, weights[rank])
+
+    def _propose(self, request_id, budget: Budget) -> Draft:
+        table = self.table_for(request_id)
+        keep = 4 * self.max_n
+        heap: list = []  # (-path_prob, tie, parent node, token, parent tail bytes, depth)
+        tie = itertools.count()
+
+        def push_children(tail: bytes, parent: int, prob: float, depth: int) -> None:
+            counts = table.lookup(tail)
+            if counts:
+                total = sum(counts.values())
+                for token, weight in counts.items():
+                    if prob * weight / total >= self.min_prob:
+                        heapq.heappush(heap, (-prob * weight / total, next(tie), parent, token, tail, depth + 1))
+
+        push_children(self.context(request_id)[-self.max_n :].tobytes(), -1, 1.0, 0)
+        token_ids, parents, scores = [], [], []
+        while heap and len(token_ids) < budget.num_nodes:
+            neg_prob, _, parent, token, tail, depth = heapq.heappop(heap)
+            token_ids.append(token)
+            parents.append(parent)
+            scores.append(-neg_prob)
+            if depth < budget.max_depth:
+                push_children((tail + _TOKEN.pack(token))[-keep:], len(token_ids) - 1, -neg_prob, depth)
+        if not token_ids:
+            return Draft.empty()
+        return Draft(np.asarray(token_ids, np.int64), np.asarray(parents, np.int32),
+                     np.asarray(scores, np.float32), (self.name,) * len(token_ids))

@@ -1,0 +1,128 @@
+"""The n-gram table drafter against its naive twin; memory bound, observe(), sharing across requests."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from freespec.draft import Budget, Draft
+from freespec.drafters import make
+from freespec.drafters.base import VerifyOutput
+from freespec.drafters.ngram_table import NgramTable, NgramTableDrafter
+
+import naive_lookup
+
+FAST = settings(max_examples=60, deadline=None)
+small_texts = st.lists(st.integers(0, 3), min_size=1, max_size=30)
+
+
+@FAST
+@given(st.lists(small_texts, min_size=1, max_size=3), small_texts, st.integers(1, 3), st.integers(0, 2))
+def test_lookup_matches_naive(sequences, tail, min_n, extra_n):
+    max_n = min_n + extra_n
+    table = NgramTable(min_n, max_n, max_entries=10_000, max_next=8)
+    for seq in sequences:
+        table.learn(np.asarray(seq, np.int32), 0)
+    counts = table.lookup(np.asarray(tail, np.int32).tobytes())
+    assert counts == naive_lookup.ngram_next_counts(sequences, tail, min_n, max_n)
+
+
+@FAST
+@given(st.lists(small_texts, min_size=1, max_size=3), st.lists(st.integers(0, 3), min_size=1, max_size=8),
+       st.integers(1, 3), st.sampled_from([0.05, 0.2]))
+def test_tree_is_every_path_above_min_prob(sequences, prompt, max_n, min_prob):
+    # requests learned one after the other: the table is shared, so all of them feed the last one
+    drafter = NgramTableDrafter(min_n=1, max_n=max_n, min_prob=min_prob, max_next=8)
+    for i, seq in enumerate(sequences):
+        drafter.start(i, seq[:3])
+        drafter.extend(i, seq[3:])
+        drafter.stop(i)
+    drafter.start("q", prompt)
+    budget = Budget(num_nodes=100_000, max_depth=3)
+    draft = drafter.propose("q", budget).validate(budget)
+    scores = [] if draft.scores is None else draft.scores.tolist()
+    got = {tuple(p): s for p, s in zip(naive_lookup.paths_to_nodes(draft), scores)}
+    want = naive_lookup.ngram_tree(sequences + [prompt], prompt, 1, max_n, min_prob, 3)
+    assert got.keys() == want.keys()
+    assert all(got[p] == pytest.approx(want[p], rel=1e-5) for p in want)
+    assert all(scores[i] <= scores[p] for i, p in enumerate(draft.parents.tolist()) if p >= 0)
+
+
+@FAST
+@given(st.lists(st.integers(0, 50), min_size=20, max_size=200), st.integers(1, 20))
+def test_draft_within_budget_and_best_first(text, num_nodes):
+    drafter = NgramTableDrafter(min_prob=0.001)
+    drafter.start(0, text)
+    budget = Budget(num_nodes=num_nodes, max_depth=4)
+    small = drafter.propose(0, budget).validate(budget)
+    full = drafter.propose(0, Budget(10_000, 4))
+    # the kept nodes are the best ones: nothing left out scores above anything kept
+    if small.num_nodes == num_nodes and full.num_nodes > num_nodes:
+        assert float(small.scores.min()) >= np.sort(full.scores)[::-1][num_nodes] - 1e-7
+
+
+def test_memory_bound_under_many_insertions():
+    rng = np.random.default_rng(0)
+    table = NgramTable(1, 4, max_entries=500, max_next=3)
+    for _ in range(50):
+        table.learn(rng.integers(0, 200, 300).astype(np.int32), 0)
+        assert len(table) <= 500
+        assert max(len(counts) for counts in table.entries.values()) <= 3
+    # the most recent text is still there, whole
+    recent = rng.integers(0, 200, 40).astype(np.int32)
+    table.learn(recent, 0)
+    assert table.lookup(recent[:-1].tobytes()) == {int(recent[-1]): 1.0}
+
+
+def test_observe_learns_the_targets_predictions_below_text():
+    drafter = NgramTableDrafter(min_n=1, max_n=2, model_weight=0.5)
+    drafter.start(0, [5, 6])
+    draft = Draft.chain([7, 8])
+    topk = np.array([[7, 1], [8, 2], [9, 3]])  # rows: after [5, 6], after [.., 6, 7], after [.., 7, 8]
+    drafter.observe(0, VerifyOutput(draft, np.array([0, 1]), topk))
+    table = drafter.table
+    assert table.lookup(np.array([5, 6], np.int32).tobytes()) == {7: 0.5, 1: 0.25}
+    assert table.lookup(np.array([6, 7], np.int32).tobytes()) == {8: 0.5, 2: 0.25}
+    assert table.lookup(np.array([7, 8], np.int32).tobytes()) == {9: 0.5, 3: 0.25}
+    assert table.lookup(np.array([8], np.int32).tobytes()) == {9: 0.5, 3: 0.25}
+    drafter.extend(0, [7, 8, 3])  # text outweighs the model: after [7, 8], 3 now leads 9
+    assert table.lookup(np.array([7, 8], np.int32).tobytes()) == {9: 0.5, 3: 1.25}
+    drafter.start(1, [6, 7])  # after [6, 7]: 8 from text and model (1.5), 2 from the model (0.25)
+    draft = drafter.propose(1, Budget(4, 1))
+    assert draft.token_ids.tolist() == [8, 2]
+    assert draft.scores.tolist() == pytest.approx([1.5 / 1.75, 0.25 / 1.75])
+    with pytest.raises(ValueError, match="num_nodes"):
+        drafter.observe(0, VerifyOutput(draft, np.array([0]), topk[:2]))
+
+
+def test_shared_table_learns_across_requests_and_unshared_does_not():
+    for shared, expect in ((True, [3, 4]), (False, [])):
+        drafter = NgramTableDrafter(shared=shared, min_n=2)
+        drafter.start("a", [1, 2, 3, 4])
+        drafter.stop("a")
+        drafter.start("b", [9, 1, 2])
+        assert drafter.propose("b", Budget(8, 2)).token_ids.tolist() == expect
+
+
+def test_extend_learns_across_the_step_boundary():
+    drafter = NgramTableDrafter(min_n=3, max_n=3)
+    drafter.start(0, [1, 2])
+    drafter.extend(0, [3])
+    drafter.extend(0, [4])
+    assert drafter.table.lookup(np.array([1, 2, 3], np.int32).tobytes()) == {4: 1.0}
+    assert len(drafter.table) == 1
+
+
+def test_bad_options_and_lifecycle():
+    assert isinstance(make("ngram", max_n=3), NgramTableDrafter)
+    for options in ({"min_n": 0}, {"min_n": 3, "max_n": 2}, {"max_entries": 0}, {"max_next": 0},
+                    {"min_prob": 0.0}, {"min_prob": 1.5}, {"observe_top_k": -1}, {"model_weight": -1}):
+        with pytest.raises(ValueError):
+            NgramTableDrafter(**options)
+    drafter = NgramTableDrafter()
+    with pytest.raises(ValueError, match="start"):
+        drafter.propose(0, Budget(4, 4))
+    drafter.start(0, [1, 2, 1])
+    with pytest.raises(ValueError, match="already started"):
+        drafter.start(0, [1])
+    assert drafter.propose(0, Budget(0, 4)).num_nodes == 0
