@@ -1,0 +1,9 @@
+"""``freespec bench`` and ``freespec replay`` (see README.md beside this file).
+
+datasets.py  workloads: Spec-Bench JSONL, builtin:code-edit, builtin:rag, builtin:multi-turn-edit
+methods.py   the --methods grammar (vanilla, hf-pld[:N], freespec[:NAME{k=v}], arctic-suffix)
+peers.py     other projects' drafters as freespec Drafters (arctic-inference SuffixDecoding)
+runner.py    the interleaved loop, forward counting, exactness checks
+report.py    metrics, console/Markdown tables, results.json, plots
+replay.py    exact greedy tau of drafters from recorded outputs, without the model
+"""

@@ -1,0 +1,311 @@
+"""Turn per-prompt records into metrics, tables, ``results.json``, ``results.md`` and plots.
+
+Metrics of a method over a set of prompts (a category, or all):
+
+- ``tau``: new tokens per target forward, prefill included (sum over sum;
+  plain decoding is exactly 1.0). Forwards come from a hook on the model, the
+  same for every method; ``engine_tau`` is freespec's own count, for a cross-check.
+- ``tokens_per_s``: new tokens / wall seconds; ``cpu_s``: process CPU seconds.
+- ``speedup_vs_vanilla`` / ``speedup_vs_hf_pld``: ``median`` is the median over
+  prompts of the per-prompt tokens/s ratio, ``total`` the ratio of total
+  tokens/s (under greedy decoding both methods emit the same tokens, so these
+  are ratios of time). ``cpu_total``: the same ratio on CPU seconds.
+- ``draft_overhead``: time in the drafter over time in generate() (freespec's stats).
+- ``fed_per_step``: tokens fed per forward after the prefill (root + draft nodes).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Sequence
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _speedup(prompts: Sequence[dict], label: str, base: str | None, key: str = "wall_s") -> dict | None:
+    if base is None or base == label:
+        return None
+    ratios = []
+    tokens_m = time_m = tokens_b = time_b = 0.0
+    for prompt in prompts:
+        m, b = prompt["methods"].get(label), prompt["methods"].get(base)
+        if m is None or b is None:
+            continue
+        tokens_m += m["new_tokens"]
+        time_m += m[key]
+        tokens_b += b["new_tokens"]
+        time_b += b[key]
+        if m[key] > 0 and b[key] > 0 and b["new_tokens"] > 0:
+            ratios.append((m["new_tokens"] / m[key]) / (b["new_tokens"] / b[key]))
+    if not ratios or time_m <= 0 or time_b <= 0 or tokens_b <= 0:
+        return None
+    return {"median": _median(ratios), "total": (tokens_m / time_m) / (tokens_b / time_b)}
+
+
+def method_metrics(prompts: Sequence[dict], label: str, vanilla: str | None, hf_pld: str | None) -> dict[str, Any]:
+    records = [p["methods"][label] for p in prompts if label in p["methods"]]
+    new_tokens = sum(r["new_tokens"] for r in records)
+    forwards = sum(r["forwards"] for r in records)
+    wall_s = sum(r["wall_s"] for r in records)
+    cpu_s = sum(r["cpu_s"] for r in records)
+    steps = sum(max(0, r["forwards"] - 1) for r in records)
+    fed = sum(r["tokens_fed_after_prefill"] for r in records)
+    engines = [r["engine"] for r in records if r.get("engine")]
+    metrics: dict[str, Any] = {
+        "prompts": len(records),
+        "new_tokens": new_tokens,
+        "forwards": forwards,
+        "tau": new_tokens / forwards if forwards else 0.0,
+        "tau_median": _median([r["tau"] for r in records]),
+        "tokens_per_s": new_tokens / wall_s if wall_s > 0 else 0.0,
+        "wall_s": wall_s,
+        "cpu_s": cpu_s,
+        "fed_per_step": fed / steps if steps else None,
+        "speedup_vs_vanilla": _speedup(prompts, label, vanilla),
+        "speedup_vs_hf_pld": _speedup(prompts, label, hf_pld),
+        "cpu_speedup_vs_vanilla": _speedup(prompts, label, vanilla, "cpu_s"),
+        "mismatches": sum(1 for r in records if r.get("matches_reference") is False),
+    }
+    if engines:
+        engine_forwards = sum(e["forward_passes"] for e in engines)
+        engine_total = sum(e["total_s"] for e in engines)
+        per_drafter: dict[str, dict[str, int]] = {}
+        for e in engines:
+            for name, d in e["per_drafter"].items():
+                acc = per_drafter.setdefault(name, {"proposed": 0, "accepted": 0})
+                acc["proposed"] += d["proposed"]
+                acc["accepted"] += d["accepted"]
+        metrics.update({
+            "engine_tau": sum(e["new_tokens"] for e in engines) / engine_forwards if engine_forwards else 0.0,
+            "draft_overhead": sum(e["draft_s"] for e in engines) / engine_total if engine_total > 0 else None,
+            "verify_share": sum(e["verify_s"] for e in engines) / engine_total if engine_total > 0 else None,
+            "steps_with_draft": sum(e["steps_with_draft"] for e in engines),
+            "draft_tokens": sum(e["draft_tokens"] for e in engines),
+            "per_drafter": per_drafter,
+            "fallbacks": sum(1 for e in engines if e.get("fallback_reason")),
+        })
+    return metrics
+
+
+def summarize(prompts: Sequence[dict], labels: Sequence[str]) -> dict[str, Any]:
+    """``{"overall": {label: metrics}, "per_category": {category: {label: metrics}}}``."""
+    vanilla = "vanilla" if "vanilla" in labels else None
+    hf_pld = next((label for label in labels if label.startswith("hf-pld")), None)
+    categories: dict[str, list[dict]] = {}
+    for prompt in prompts:
+        categories.setdefault(prompt["category"], []).append(prompt)
+    return {
+        "vanilla": vanilla,
+        "hf_pld": hf_pld,
+        "overall": {label: method_metrics(prompts, label, vanilla, hf_pld) for label in labels},
+        "per_category": {name: {label: method_metrics(group, label, vanilla, hf_pld) for label in labels}
+                         for name, group in categories.items()},
+    }
+
+
+# ------------------------------------------------------------------------------ text
+def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _speed(value: dict | None) -> str:
+    return "-" if value is None else f"{value['median']:.2f}/{value['total']:.2f}"
+
+
+def overall_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    header = ["method", "tau", "tok/s", "x vanilla (med/tot)", "x hf-pld (med/tot)", "x vanilla CPU",
+              "draft %", "fed/step", "wall s", "CPU s", "prompts"]
+    rows = []
+    for label, m in summary["overall"].items():
+        cpu = m["cpu_speedup_vs_vanilla"]
+        rows.append([
+            label, f"{m['tau']:.2f}", f"{m['tokens_per_s']:.1f}", _speed(m["speedup_vs_vanilla"]),
+            _speed(m["speedup_vs_hf_pld"]), "-" if cpu is None else f"{cpu['total']:.2f}",
+            _fmt(None if m.get("draft_overhead") is None else 100 * m["draft_overhead"], ".1f"),
+            _fmt(m["fed_per_step"], ".1f"), f"{m['wall_s']:.1f}", f"{m['cpu_s']:.1f}", str(m["prompts"]),
+        ])
+    return header, rows
+
+
+def category_rows(summary: dict, what: str) -> tuple[list[str], list[list[str]]]:
+    """Rows per category, a column per method: ``what`` is "speedup" (median vs vanilla) or "tau"."""
+    labels = list(summary["overall"])
+    if what == "speedup":
+        labels = [label for label in labels if label != summary["vanilla"]]
+    header = ["category", "prompts"] + labels
+    rows = []
+    for name, per_method in list(summary["per_category"].items()) + [("overall", summary["overall"])]:
+        first = next(iter(per_method.values()))
+        row = [name, str(first["prompts"])]
+        for label in labels:
+            m = per_method[label]
+            if what == "tau":
+                row.append(f"{m['tau']:.2f}")
+            else:
+                s = m["speedup_vs_vanilla"]
+                row.append("-" if s is None else f"{s['median']:.2f}x")
+        rows.append(row)
+    return header, rows
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    line = lambda cells: "  ".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def warnings_of(results: dict) -> list[str]:
+    """The loud lines: output mismatches, methods that did not run, fallbacks, count disagreements."""
+    lines = []
+    for label, why in results.get("unavailable", {}).items():
+        lines.append(f"METHOD NOT RUN: {label}: {why}")
+    if results.get("mismatches"):
+        by_method: dict[str, int] = {}
+        for m in results["mismatches"]:
+            by_method[m["method"]] = by_method.get(m["method"], 0) + 1
+        lines.append("GREEDY OUTPUT MISMATCH vs " + results.get("reference", "vanilla") + ": "
+                     + ", ".join(f"{k} on {v} prompt(s)" for k, v in by_method.items()))
+    lines += [n for n in results.get("notes", []) if n.startswith("!!!")]
+    return lines
+
+
+def console_report(results: dict) -> str:
+    summary = results["summary"]
+    parts = ["Overall (speedups: median of per-prompt ratios / ratio of totals)",
+             text_table(*overall_rows(summary)), "",
+             "Speedup over vanilla by category (median of per-prompt ratios)"
+             if summary["vanilla"] else "tau by category",
+             text_table(*category_rows(summary, "speedup" if summary["vanilla"] else "tau")), ""]
+    if summary["vanilla"]:
+        parts += ["tau by category", text_table(*category_rows(summary, "tau")), ""]
+    for note in results.get("notes", []):
+        if not note.startswith("!!!"):
+            parts.append(f"note: {note}")
+    for line in warnings_of(results):
+        parts.append(f"!!! {line.removeprefix('!!! ')}")
+    return "\n".join(parts)
+
+
+def markdown_report(results: dict) -> str:
+    summary, env = results["summary"], results["environment"]
+    parts = [
+        f"Model `{results['config']['model']}` ({results['config']['dtype']}), dataset "
+        f"`{results['config']['dataset']}`, {len(results['prompts'])} prompts, "
+        f"max_new_tokens={results['config']['max_new_tokens']}, "
+        + ("greedy" if results["greedy"] else f"sampling T={results['config']['temperature']}")
+        + f"; {env.get('cpu_model', '?')}, {env.get('torch_threads', '?')} threads, torch {env.get('torch')}, "
+          f"transformers {env.get('transformers')}, freespec {env.get('freespec')}, {env.get('date')}.",
+        "",
+        "Speedups: median of per-prompt ratios / ratio of totals. tau: new tokens per target forward "
+        "(prefill included).",
+        "",
+        markdown_table(*overall_rows(summary)),
+        "",
+    ]
+    if summary["vanilla"]:
+        parts += ["Speedup over vanilla by category (median of per-prompt ratios):", "",
+                  markdown_table(*category_rows(summary, "speedup")), ""]
+    parts += ["tau by category:", "", markdown_table(*category_rows(summary, "tau")), ""]
+    warnings = warnings_of(results)
+    if warnings:
+        parts += ["**Warnings:**", ""] + [f"- **{w.removeprefix('!!! ')}**" for w in warnings] + [""]
+    notes = [n for n in results.get("notes", []) if not n.startswith("!!!")]
+    if notes:
+        parts += [f"- {n}" for n in notes] + [""]
+    parts += [f"Command: `{env.get('command', '')}`", ""]
+    return "\n".join(parts)
+
+
+# ------------------------------------------------------------------------------ files
+def write_results(results: dict, out_dir: str | Path, plots: bool = True) -> list[Path]:
+    """Write results.json, results.md and (with matplotlib) the PNG plots; return the paths written."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = write_plots(results, out_dir) if plots else []  # first: a missing matplotlib adds a note
+    path = out_dir / "results.json"
+    path.write_text(json.dumps(results, indent=1, default=str) + "\n", encoding="utf-8")
+    written.append(path)
+    path = out_dir / "results.md"
+    path.write_text(markdown_report(results), encoding="utf-8")
+    written.append(path)
+    return written
+
+
+def write_plots(results: dict, out_dir: Path) -> list[Path]:
+    """speedup_by_category.png, tau_by_category.png, tau_distribution.png (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        results.setdefault("notes", []).append(
+            "!!! plots not written: matplotlib is not installed (pip install 'freespec[bench]')")
+        return []
+    summary = results["summary"]
+    categories = list(summary["per_category"]) + ["overall"]
+    per = dict(summary["per_category"], overall=summary["overall"])
+    labels = list(summary["overall"])
+    written = []
+
+    def grouped_bars(methods, value_of, ylabel, title, filename, baseline=None):
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(categories) * max(1, len(methods)) + 2) + 4, 4.5))
+        width = 0.8 / max(1, len(methods))
+        for j, label in enumerate(methods):
+            xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(categories))]
+            ys = [value_of(per[c][label]) or 0.0 for c in categories]
+            ax.bar(xs, ys, width, label=label)
+        if baseline is not None:
+            ax.axhline(baseline, color="black", linewidth=0.8, linestyle="--")
+        ax.set_xticks(range(len(categories)))
+        ax.set_xticklabels(categories, rotation=30, ha="right")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        fig.tight_layout()
+        path = out_dir / filename
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+
+    model = results["config"]["model"]
+    if summary["vanilla"]:
+        speed_methods = [label for label in labels if label != summary["vanilla"]]
+        if speed_methods:
+            grouped_bars(speed_methods, lambda m: (m["speedup_vs_vanilla"] or {}).get("median"),
+                         "speedup over vanilla (median per prompt)", f"Speedup by category ({model})",
+                         "speedup_by_category.png", baseline=1.0)
+    grouped_bars(labels, lambda m: m["tau"], "tau (new tokens per forward)", f"tau by category ({model})",
+                 "tau_by_category.png", baseline=1.0)
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(labels) + 2), 4.5))
+    data = [[p["methods"][label]["tau"] for p in results["prompts"] if label in p["methods"]] for label in labels]
+    ax.boxplot(data, showmeans=True)
+    ax.set_xticks(range(1, len(labels) + 1))
+    ax.set_xticklabels(labels, rotation=20, ha="right")
+    ax.set_ylabel("tau per prompt")
+    ax.set_title(f"Distribution of per-prompt tau ({model})")
+    fig.tight_layout()
+    path = out_dir / "tau_distribution.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+def write_traces(traces: Sequence[dict], path: str | Path) -> Path:
+    path = Path(path)
+    with path.open("w", encoding="utf-8") as f:
+        for trace in traces:
+            f.write(json.dumps(trace) + "\n")
+    return path

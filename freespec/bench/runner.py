@@ -1,0 +1,291 @@
+"""The benchmark loop: every method on the same prompts, in one process, interleaved.
+
+For each prompt every method runs once, in list order on even prompts and in
+reverse order on odd ones (ABAB / BABA), so a drift in the machine's speed
+hits all methods alike. Before the first timed prompt every method runs once
+on a fixed warm-up prompt (compiled kernels, allocator, caches).
+
+Every method is measured the same way: a forward pre-hook on the model counts
+target forwards and the tokens fed to them, ``time.perf_counter`` gives wall
+seconds and ``time.process_time`` CPU seconds. freespec's own ``SpecStats``
+is recorded beside them (draft and verify time, per-drafter counts) and its
+forward count is cross-checked against the hook's.
+
+Multi-turn items: turn ``k`` is asked with the reference method's answers to
+the earlier turns (``vanilla`` if it runs, else the first method), so every
+method sees the same history; under greedy decoding all answers are equal anyway.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from .datasets import Item, format_prompt
+from .methods import MethodSpec, make_config, make_drafter
+
+WARMUP_MESSAGE = "Count from one to twenty in words, separated by commas."
+
+
+class ForwardCounter:
+    """Counts calls of ``model.forward`` and tokens fed after the first (prefill) call."""
+
+    def __init__(self, model):
+        self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+        self.reset()
+
+    def reset(self) -> None:
+        self.forwards = 0
+        self.tokens_fed = 0  # tokens fed by forwards after the prefill
+
+    def _hook(self, module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is None and args:
+            ids = args[0]
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+            num_tokens = 0 if ids is None else int(ids.shape[1])
+        else:
+            num_tokens = int(ids.shape[-1])
+        self.forwards += 1
+        if self.forwards > 1:
+            self.tokens_fed += num_tokens
+
+    def close(self) -> None:
+        self.handle.remove()
+
+
+@dataclass
+class MethodRunner:
+    """Runs one method's generate() calls; speculative methods keep one drafter across prompts."""
+
+    method: MethodSpec
+    drafter: Any = None
+    available: bool = True
+    unavailable_reason: str | None = None
+
+    @classmethod
+    def build(cls, method: MethodSpec) -> "MethodRunner":
+        if not method.speculative:
+            return cls(method)
+        try:
+            drafter = make_drafter(method)
+        except ImportError as exc:
+            return cls(method, available=False, unavailable_reason=str(exc))
+        if drafter is not None and hasattr(drafter, "warmup"):
+            drafter.warmup()
+        return cls(method, drafter)
+
+    def warmup_copy(self) -> "MethodRunner":
+        """A runner with a fresh drafter: the warm-up must not leave text in the timed drafter's corpus
+        (``freespec replay`` replays the timed prompts alone, and must see the same drafter state)."""
+        if not self.method.speculative:
+            return self
+        return MethodRunner(self.method, make_drafter(self.method))
+
+    def generate(self, model, input_ids, gen_kwargs: dict) -> tuple[Any, Any]:
+        """(output ids [1, L], SpecStats or None)."""
+        import freespec
+
+        if self.method.kind == "vanilla":
+            return model.generate(input_ids, **gen_kwargs), None
+        if self.method.kind == "hf-pld":
+            return model.generate(input_ids, prompt_lookup_num_tokens=self.method.hf_num_tokens,
+                                  **self.method.hf_options, **gen_kwargs), None
+        freespec.patch(model, make_config(self.method, self.drafter))
+        try:
+            out = model.generate(input_ids, **gen_kwargs)
+            return out, freespec.stats(model)
+        finally:
+            freespec.unpatch(model)
+
+
+@dataclass
+class BenchRun:
+    """What ``run_bench`` returns: one record per prompt plus what went wrong, loudly."""
+
+    prompts: list[dict] = field(default_factory=list)
+    mismatches: list[dict] = field(default_factory=list)
+    unavailable: dict[str, str] = field(default_factory=dict)  # method label -> why it did not run
+    notes: list[str] = field(default_factory=list)
+    greedy: bool = True
+    reference: str = ""
+    traces: list[dict] = field(default_factory=list)
+
+
+def _stats_record(stats) -> dict | None:
+    if stats is None:
+        return None
+    return {
+        "new_tokens": stats.new_tokens, "forward_passes": stats.forward_passes, "tau": stats.mean_accepted,
+        "draft_s": stats.draft_s, "verify_s": stats.verify_s, "total_s": stats.total_s,
+        "tokens_fed": stats.tokens_fed, "steps_with_draft": stats.steps_with_draft,
+        "draft_tokens": stats.draft_tokens, "accepted_draft_tokens": getattr(stats, "accepted_draft_tokens", 0),
+        "fallback_reason": stats.fallback_reason,
+        "per_drafter": {name: {"proposed": d.proposed, "accepted": d.accepted}
+                        for name, d in sorted(stats.per_drafter.items())},
+    }
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def run_bench(model, tokenizer, items: Sequence[Item], methods: Sequence[MethodSpec], *,
+              max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0, warmup: bool = True,
+              save_traces: bool = False, progress: bool = True,
+              log: Callable[[str], None] = print) -> BenchRun:
+    """Run every method on every prompt of ``items``; see the module docstring."""
+    import torch
+
+    run = BenchRun(greedy=temperature <= 0)
+    runners = []
+    for method in methods:
+        runner = MethodRunner.build(method)
+        if runner.available:
+            runners.append(runner)
+        else:
+            run.unavailable[method.label] = runner.unavailable_reason or "unavailable"
+            log(f"!!! method {method.label} NOT RUN: {runner.unavailable_reason}")
+    if not runners:
+        raise ValueError("no method can run: " + "; ".join(f"{k}: {v}" for k, v in run.unavailable.items()))
+    labels = [r.method.label for r in runners]
+    reference = "vanilla" if "vanilla" in labels else labels[0]
+    run.reference = reference
+    if reference != "vanilla":
+        run.notes.append(f"vanilla is not among the methods: outputs and multi-turn history come from {reference}")
+
+    gen_kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+    if run.greedy:
+        gen_kwargs["do_sample"] = False
+    else:
+        gen_kwargs.update(do_sample=True, temperature=temperature)
+        run.notes.append(f"sampling (temperature {temperature}, seed {seed}): outputs differ between methods by "
+                         f"design, so they are not compared; speedups are ratios of tokens/s")
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    if pad_id is None:
+        pad_id = getattr(tokenizer, "eos_token_id", None)
+    if pad_id is not None:
+        gen_kwargs["pad_token_id"] = pad_id
+
+    counter = ForwardCounter(model)
+    try:
+        if warmup:
+            warm_ids = torch.tensor([format_prompt(tokenizer, [{"role": "user", "content": WARMUP_MESSAGE}])])
+            warm_kwargs = dict(gen_kwargs, max_new_tokens=min(16, max_new_tokens))
+            for runner in runners:
+                with torch.inference_mode():
+                    runner.warmup_copy().generate(model, warm_ids, warm_kwargs)
+
+        total_prompts = sum(len(item.turns) for item in items)
+        bar = _progress_bar(total_prompts, progress)
+        prompt_index = 0
+        for item in items:
+            answers: list[str] = []
+            for turn in range(len(item.turns)):
+                messages = []
+                for k in range(turn):
+                    messages += [{"role": "user", "content": item.turns[k]},
+                                 {"role": "assistant", "content": answers[k]}]
+                messages.append({"role": "user", "content": item.turns[turn]})
+                prompt_ids = format_prompt(tokenizer, messages)
+                input_ids = torch.tensor([prompt_ids])
+                call_kwargs = dict(gen_kwargs, attention_mask=torch.ones_like(input_ids))
+                order = runners if prompt_index % 2 == 0 else runners[::-1]
+                results: dict[str, dict] = {}
+                outputs: dict[str, list[int]] = {}
+                for runner in order:
+                    if not run.greedy:
+                        torch.manual_seed(seed * 1_000_003 + prompt_index)
+                    counter.reset()
+                    with torch.inference_mode():
+                        t0, c0 = time.perf_counter(), time.process_time()
+                        out, stats = runner.generate(model, input_ids, call_kwargs)
+                        wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+                    output_ids = out[0, len(prompt_ids):].tolist()
+                    outputs[runner.method.label] = output_ids
+                    new_tokens = len(output_ids)
+                    record = {
+                        "new_tokens": new_tokens, "forwards": counter.forwards,
+                        "tau": new_tokens / counter.forwards if counter.forwards else 0.0,
+                        "wall_s": wall_s, "cpu_s": cpu_s,
+                        "tokens_per_s": new_tokens / wall_s if wall_s > 0 else 0.0,
+                        "tokens_fed_after_prefill": counter.tokens_fed,
+                        "engine": _stats_record(stats),
+                    }
+                    if stats is not None:
+                        if stats.fallback_reason:
+                            msg = (f"!!! {runner.method.label} fell back to plain decoding on prompt {prompt_index}: "
+                                   f"{stats.fallback_reason}")
+                            run.notes.append(msg)
+                            _write(bar, log, msg)
+                        elif stats.forward_passes != counter.forwards or stats.new_tokens != new_tokens:
+                            msg = (f"!!! {runner.method.label} prompt {prompt_index}: engine counted "
+                                   f"{stats.forward_passes} forwards / {stats.new_tokens} tokens, the hook "
+                                   f"{counter.forwards} / {new_tokens}")
+                            run.notes.append(msg)
+                            _write(bar, log, msg)
+                    results[runner.method.label] = record
+                ref_ids = outputs[reference]
+                if run.greedy:
+                    for label, ids in outputs.items():
+                        same = ids == ref_ids
+                        results[label]["matches_reference"] = same
+                        if not same:
+                            position = _first_difference(ids, ref_ids)
+                            mismatch = {"prompt_index": prompt_index, "item_id": item.item_id, "turn": turn,
+                                        "method": label, "reference": reference, "first_difference": position,
+                                        "len": len(ids), "reference_len": len(ref_ids)}
+                            run.mismatches.append(mismatch)
+                            _write(bar, log, f"!!! OUTPUT MISMATCH: {label} differs from {reference} on prompt "
+                                             f"{prompt_index} ({item.item_id}, turn {turn + 1}) at new token {position}")
+                answer = tokenizer.decode(ref_ids, skip_special_tokens=True).strip()
+                answers.append(answer)
+                run.prompts.append({
+                    "index": prompt_index, "item_id": item.item_id, "turn": turn + 1,
+                    "category": item.category_of(turn), "prompt_tokens": len(prompt_ids),
+                    "order": [r.method.label for r in order], "reference_output": answer,
+                    "methods": {label: results[label] for label in labels},
+                })
+                if save_traces:
+                    run.traces.append({"item_id": item.item_id, "turn": turn + 1, "category": item.category_of(turn),
+                                       "prompt_ids": prompt_ids, "output_ids": ref_ids,
+                                       "max_new_tokens": max_new_tokens, "method": reference})
+                prompt_index += 1
+                if bar is not None:
+                    bar.set_postfix_str(_postfix(results, reference), refresh=False)
+                    bar.update(1)
+                elif progress:  # no tqdm: one line per prompt
+                    log(f"[{prompt_index}/{total_prompts}] {_postfix(results, reference)}")
+        if bar is not None:
+            bar.close()
+    finally:
+        counter.close()
+    return run
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="prompt", desc="bench", dynamic_ncols=True)
+
+
+def _write(bar, log, msg: str) -> None:
+    if bar is not None:
+        bar.write(msg)
+    else:
+        log(msg)
+
+
+def _postfix(results: dict[str, dict], reference: str) -> str:
+    base = results[reference]["wall_s"]
+    return " ".join(f"{label}:{base / r['wall_s']:.2f}x" for label, r in results.items()
+                    if label != reference and r["wall_s"] > 0)

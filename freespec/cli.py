@@ -1,0 +1,250 @@
+"""The ``freespec`` command: ``freespec bench`` and ``freespec replay``.
+
+    freespec bench --model smollm2-135m --dataset builtin:code-edit \\
+        --methods vanilla,hf-pld,freespec,freespec:suffix{min_match=3} --limit 20 --out runs/code-edit
+    freespec replay runs/code-edit/traces.jsonl --drafters prompt_lookup,suffix
+
+``freespec bench`` sets ``OMP_WAIT_POLICY=PASSIVE`` before torch is imported
+unless the variable is already set: with OpenMP's default busy-waiting, threads
+that spin while other processes want the cores can collapse throughput on a
+shared machine. ``export OMP_WAIT_POLICY=ACTIVE`` to measure the other way.
+This module imports torch only inside the commands, after that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+EXIT_MISMATCH = 1
+EXIT_BAD_INPUT = 2
+
+METHODS_HELP = """\
+comma-separated methods (commas inside {...} do not split):
+  vanilla                  plain generate() of the unpatched model
+  hf-pld[:N]               transformers' prompt lookup, prompt_lookup_num_tokens=N (default 10)
+  freespec                 freespec.patch(model) with the default SpecConfig
+  freespec:NAME            a registered drafter (prompt_lookup, suffix, ...)
+  freespec:NAME{k=v,...}   SpecConfig fields (max_draft_tokens, max_draft_depth, adaptive_budget)
+                           configure the engine; other keys are drafter options,
+                           e.g. freespec:suffix{min_match=3,max_draft_tokens=32}
+  arctic-suffix[{k=v,...}] Snowflake's SuffixDecoding drafter under freespec's verifier
+                           (needs: pip install 'freespec[peers]')
+quote the list in a shell: --methods 'vanilla,freespec:suffix{min_match=3}'"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="freespec", description="freespec: model-free speculative decoding")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    bench = sub.add_parser(
+        "bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="measure methods on the same prompts, interleaved, in one process",
+        description="Run every method on the same prompts in one process, interleaved per prompt (ABAB/BABA), "
+                    "after a warm-up; check greedy outputs are token-identical to vanilla; report tau, tokens/s, "
+                    "wall and CPU seconds and speedups per category. Sets OMP_WAIT_POLICY=PASSIVE unless it is "
+                    "already set.",
+        epilog=METHODS_HELP)
+    bench.add_argument("--model", required=True, help="registered name (freespec.models.available()) or a path")
+    bench.add_argument("--dataset", required=True,
+                       help="Spec-Bench JSONL path, or builtin:code-edit | builtin:rag | builtin:multi-turn-edit")
+    bench.add_argument("--methods", default="vanilla,hf-pld,freespec", help="see below (default: %(default)s)")
+    bench.add_argument("--limit", type=int, help="at most N items, taken round-robin over categories")
+    bench.add_argument("--categories", help="comma-separated categories to keep")
+    bench.add_argument("--max-new-tokens", type=int, default=256, help="per prompt (default: %(default)s)")
+    bench.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    bench.add_argument("--seed", type=int, default=0, help="sampling seed (per prompt: derived from it)")
+    bench.add_argument("--threads", type=int, help="torch.set_num_threads(N) (default: torch's choice)")
+    bench.add_argument("--save-traces", action="store_true",
+                       help="write traces.jsonl (prompt ids, greedy output ids, category) for freespec replay")
+    bench.add_argument("--allow-mismatch", action="store_true",
+                       help="exit 0 even if a greedy output differs from vanilla (still reported)")
+    bench.add_argument("--no-warmup", action="store_true", help="skip the warm-up generate() of each method")
+    bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--out", required=True, help="output directory")
+
+    replay = sub.add_parser(
+        "replay", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="exact greedy tau of drafters from recorded outputs, without the model",
+        description="Replay greedy outputs recorded by `freespec bench --save-traces` through drafters, with the "
+                    "engine's budget logic: the exact tau generate() would measure, for drafters that do not "
+                    "read logits.",
+        epilog="drafters: NAME or NAME{k=v,...} (as freespec:NAME in bench), or arctic-suffix[{...}]; "
+               "e.g. --drafters 'prompt_lookup,suffix{min_match=3},arctic-suffix'")
+    replay.add_argument("traces", help="traces.jsonl written by freespec bench --save-traces")
+    replay.add_argument("--drafters", required=True, help="comma-separated drafter specs")
+    replay.add_argument("--max-draft-tokens", type=int, help="default: SpecConfig's")
+    replay.add_argument("--max-draft-depth", type=int, help="default: SpecConfig's")
+    replay.add_argument("--json", help="also write the full results to this JSON file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_BAD_INPUT
+    try:
+        if args.command == "bench":
+            return bench_command(args, argv)
+        return replay_command(args)
+    except ValueError as exc:
+        print(f"freespec {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+# ------------------------------------------------------------------------------ bench
+def bench_command(args, argv=None) -> int:
+    omp_note = _set_omp_wait_policy()
+    from .bench.datasets import PLAIN_FORMAT_NOTE, has_chat_template, load_dataset
+    from .bench.methods import parse_methods
+
+    # everything that can be wrong with the arguments is checked before the model loads
+    methods = parse_methods(args.methods)
+    if args.temperature > 0 and args.save_traces:
+        raise ValueError("--save-traces records greedy outputs for replay: it needs --temperature 0")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    items = load_dataset(args.dataset, limit=args.limit, categories=categories)
+
+    import torch
+
+    from . import models
+    from .bench.environment import environment
+    from .bench.report import console_report, summarize, write_results, write_traces
+    from .bench.runner import run_bench
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    print(omp_note)
+    print(f"loading {args.model} ({args.dtype}) ...", flush=True)
+    model, tokenizer = models.load(args.model, getattr(torch, args.dtype))
+    if tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer: the benchmark needs one to build prompts")
+    notes = [omp_note]
+    if not has_chat_template(tokenizer):
+        notes.append(PLAIN_FORMAT_NOTE)
+        print(f"note: {PLAIN_FORMAT_NOTE}")
+    num_prompts = sum(len(item.turns) for item in items)
+    print(f"{len(items)} items, {num_prompts} prompts, methods: {', '.join(m.label for m in methods)}; "
+          f"{torch.get_num_threads()} threads", flush=True)
+
+    run = run_bench(model, tokenizer, items, methods, max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature, seed=args.seed, warmup=not args.no_warmup,
+                    save_traces=args.save_traces, progress=not args.no_progress)
+    labels = [m.label for m in methods if m.label not in run.unavailable]
+    results = {
+        "config": {"model": args.model, "dataset": args.dataset, "methods": [m.label for m in methods],
+                   "limit": args.limit, "categories": categories, "max_new_tokens": args.max_new_tokens,
+                   "dtype": args.dtype, "temperature": args.temperature, "seed": args.seed,
+                   "threads": torch.get_num_threads(), "warmup": not args.no_warmup},
+        "environment": environment(argv),
+        "greedy": run.greedy,
+        "reference": run.reference,
+        "unavailable": run.unavailable,
+        "mismatches": run.mismatches,
+        "notes": notes + run.notes,
+        "summary": summarize(run.prompts, labels),
+        "prompts": run.prompts,
+    }
+    written = write_results(results, args.out, plots=not args.no_plots)
+    if args.save_traces:
+        written.append(write_traces(run.traces, os.path.join(args.out, "traces.jsonl")))
+    print()
+    print(console_report(results))
+    print()
+    print("wrote " + ", ".join(str(p) for p in written))
+    if run.mismatches and not args.allow_mismatch:
+        print(f"!!! {len(run.mismatches)} greedy output mismatch(es): exit code {EXIT_MISMATCH} "
+              f"(--allow-mismatch to exit 0)", file=sys.stderr)
+        return EXIT_MISMATCH
+    return 0
+
+
+def _set_omp_wait_policy() -> str:
+    """Set OMP_WAIT_POLICY=PASSIVE unless set; say what was done (OpenMP reads it when torch loads)."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} (from the environment)"
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    if "torch" in sys.modules:
+        return ("OMP_WAIT_POLICY=PASSIVE was set, but torch was already imported in this process, so OpenMP "
+                "may not have seen it: export it before starting Python")
+    return "OMP_WAIT_POLICY=PASSIVE (set by freespec bench before loading torch; export OMP_WAIT_POLICY to override)"
+
+
+# ------------------------------------------------------------------------------ replay
+def parse_drafter_specs(text: str):
+    """``"prompt_lookup,suffix{min_match=3},arctic-suffix"`` -> [(label, MethodSpec), ...]."""
+    from .bench.methods import parse_method, split_methods
+
+    out = []
+    for part in split_methods(text):
+        label = "".join(part.split())
+        if label.startswith(("freespec", "arctic-suffix")):
+            method = parse_method(label)
+        else:
+            method = parse_method("freespec:" + label)
+        if method.kind not in ("freespec", "arctic-suffix"):
+            raise ValueError(f"{part!r} is not a drafter")
+        out.append((label, method))
+    labels = [label for label, _ in out]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"a drafter is listed twice in {text!r}")
+    return out
+
+
+def replay_command(args) -> int:
+    import json
+
+    from .bench.methods import make_config, make_drafter
+    from .bench.replay import format_replay_table, load_traces, replay_tau
+
+    specs = parse_drafter_specs(args.drafters)
+    traces = load_traces(args.traces)
+    results, skipped = {}, {}
+    for label, method in specs:
+        config = make_config(method)
+        overrides = {}
+        if args.max_draft_tokens is not None and "max_draft_tokens" not in method.spec_options:
+            overrides["max_draft_tokens"] = args.max_draft_tokens
+        if args.max_draft_depth is not None and "max_draft_depth" not in method.spec_options:
+            overrides["max_draft_depth"] = args.max_draft_depth
+        config = config.replace(**overrides)
+        try:
+            make_drafter(method)  # fail early (e.g. arctic-inference missing) before replaying others
+        except ImportError as exc:
+            skipped[label] = str(exc)
+            print(f"!!! {label} NOT REPLAYED: {exc}", file=sys.stderr)
+            continue
+        results[label] = replay_tau(traces, lambda m=method: make_drafter(m), config)
+        results[label]["config"] = {"max_draft_tokens": config.max_draft_tokens,
+                                    "max_draft_depth": config.max_draft_depth}
+    print(f"{len(traces)} traces from {args.traces}; greedy tau (new tokens per target forward, prefill included)")
+    if results:
+        print(format_replay_table(results))
+    print("exact for drafters that do not read logits; the budget is fixed (no cost model): "
+          + ", ".join(f"{label}: {r['config']['max_draft_tokens']} nodes, depth {r['config']['max_draft_depth']}"
+                      for label, r in results.items()))
+    for label, result in results.items():
+        for note in result["notes"]:
+            print(f"note: {label}: {note}")
+    for label, why in skipped.items():
+        print(f"!!! {label} NOT REPLAYED: {why}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"traces": args.traces, "results": results, "skipped": skipped}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0 if results else EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,385 @@
+"""freespec bench: datasets, method specs, reports, the arctic wrapper, and a run end to end on a tiny model."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+import numpy as np
+import pytest
+
+from freespec.bench import datasets
+from freespec.bench.datasets import Item, format_prompt, load_dataset, round_robin
+from freespec.bench.methods import parse_method, parse_methods, split_methods
+from freespec.bench.peers import ArcticSuffixDrafter, arctic_available, arctic_to_draft
+from freespec.bench.report import console_report, markdown_report, summarize, write_results
+from freespec.draft import Budget
+from freespec.drafters import make
+
+
+class CharTokenizer:
+    """One token per character of newline + printable ASCII (ids 2..97, others read as '?'), bos 0, eos 1."""
+
+    eos_token_id = 1
+    pad_token_id = 1
+    chars = "\n" + "".join(chr(c) for c in range(32, 127))
+
+    def __init__(self, chat_template=None):
+        self.chat_template = chat_template
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = [2 + self.chars.index(c if c in self.chars else "?") for c in text]
+        return {"input_ids": ([0] if add_special_tokens else []) + ids}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.chars[i - 2] if 2 <= i < 2 + len(self.chars) else "?" for i in ids if i > 1)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        text = "".join(f"<{m['role']}>{m['content']}</>" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+# ------------------------------------------------------------------------------ datasets
+@pytest.mark.parametrize("name", datasets.BUILTIN)
+def test_builtin_datasets_are_deterministic_and_well_formed(name):
+    first, second = load_dataset(f"builtin:{name}"), load_dataset(f"builtin:{name}")
+    assert first == second and len(first) >= 8
+    assert len({item.item_id for item in first}) == len(first)
+    for item in first:
+        assert item.turns and all(isinstance(t, str) and len(t) > 50 for t in item.turns)
+        assert item.category
+    categories = {item.category for item in first}
+    if name == "code-edit":
+        assert categories == set(datasets.EDIT_KINDS)
+        for item in first:
+            code = re.search(r"```python\n(.*?)```", item.turns[0], re.S).group(1)
+            ast.parse(code)  # the code shown is valid Python (a fix-bug item's bug is semantic)
+            assert 10 <= len(code.splitlines()) <= 60
+    elif name == "rag":
+        assert categories == set(datasets.RAG_KINDS)
+        for item in first:
+            assert 2 <= item.turns[0].count("Document [") <= 4 and "Question:" in item.turns[0]
+    else:
+        for item in first:
+            assert len(item.turns) == 4
+            assert [item.category_of(t) for t in range(4)] == ["turn1", "turn2", "turn3", "turn4"]
+            assert "```python" in item.turns[0] and "as you last wrote it" in item.turns[1]
+
+
+def test_fix_bug_items_show_a_flipped_operator():
+    items = [i for i in load_dataset("builtin:code-edit") if i.category == "fix-bug"]
+    src = {f"{s.module}.{s.qualname}": s.source for s in datasets.code_sources()}
+    for item in items:
+        shown = re.search(r"```python\n(.*?)```", item.turns[0], re.S).group(1)
+        original = src[item.item_id.split("-", 3)[3]]
+        diff = [(a, b) for a, b in zip(shown.splitlines(), original.splitlines()) if a != b]
+        assert len(diff) == 1 and f"`{diff[0][0].strip()}`" in item.turns[0]
+
+
+def test_spec_bench_file(tmp_path):
+    path = tmp_path / "q.jsonl"
+    rows = [{"question_id": 1, "category": "a", "turns": ["one", "two"]},
+            {"question_id": 2, "category": "a", "turns": ["three"]},
+            {"question_id": 3, "category": "b", "turns": ["four"]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    items = load_dataset(str(path))
+    assert items[0] == Item("1", "a", ("one", "two"))
+    assert [i.item_id for i in load_dataset(str(path), limit=2)] == ["1", "3"]  # round-robin over categories
+    assert [i.item_id for i in load_dataset(str(path), categories=["b"])] == ["3"]
+    with pytest.raises(ValueError, match="unknown category"):
+        load_dataset(str(path), categories=["zzz"])
+    (tmp_path / "bad.jsonl").write_text('{"question_id": 1, "turns": []}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        load_dataset(str(tmp_path / "bad.jsonl"))
+    with pytest.raises(ValueError, match="does not exist"):
+        load_dataset(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="unknown built-in"):
+        load_dataset("builtin:nope")
+
+
+def test_shared_spec_bench_data_loads():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench_dev.jsonl"
+    if not path.is_file():
+        pytest.skip("../shared/data/spec_bench_dev.jsonl is not here")
+    items = load_dataset(str(path), limit=13)
+    assert len({i.category for i in items}) == 13
+
+
+def test_round_robin_order():
+    items = [Item(str(k), c, ("x",)) for k, c in enumerate("aaabbc")]
+    assert [i.category for i in round_robin(items, 4)] == ["a", "b", "c", "a"]
+    assert len(round_robin(items, 100)) == 6
+
+
+def test_format_prompt_with_and_without_chat_template():
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "again"}]
+    plain = CharTokenizer()
+    assert plain.decode(format_prompt(plain, messages)) == "User: hi\nAssistant: yo\nUser: again\nAssistant:"
+    chat = CharTokenizer(chat_template="{{ messages }}")
+    ids = format_prompt(chat, messages)
+    assert ids[0] != 0 and chat.decode(ids).endswith("<assistant>")
+
+
+# ------------------------------------------------------------------------------ methods
+def test_method_specs():
+    methods = parse_methods("vanilla, hf-pld, hf-pld:5{max_matching_ngram_size=3}, freespec, "
+                            "freespec:prompt_lookup{min_match=3,max_draft_tokens=32,adaptive_budget=false}, "
+                            "arctic-suffix{max_spec_factor=2.5,max_draft_depth=8}")
+    assert [m.kind for m in methods] == ["vanilla", "hf-pld", "hf-pld", "freespec", "freespec", "arctic-suffix"]
+    assert methods[1].hf_num_tokens == 10 and methods[2].hf_num_tokens == 5
+    assert methods[2].hf_options == {"max_matching_ngram_size": 3}
+    assert methods[3].drafter is None
+    m = methods[4]
+    assert m.label == "freespec:prompt_lookup{min_match=3,max_draft_tokens=32,adaptive_budget=false}"
+    assert m.drafter_options == {"min_match": 3}
+    assert m.spec_options == {"max_draft_tokens": 32, "adaptive_budget": False}
+    assert methods[5].drafter_options == {"max_spec_factor": 2.5} and methods[5].spec_options == {"max_draft_depth": 8}
+    assert split_methods("a,b{x=1,y=2},c") == ["a", "b{x=1,y=2}", "c"]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("nope", "unknown method"),
+    ("vanilla:3", "takes no argument"),
+    ("hf-pld:x", "positive integer"),
+    ("hf-pld:0", "positive integer"),
+    ("freespec:no_such_drafter", "unknown drafter"),
+    ("freespec{min_match=3}", "need a drafter name"),
+    ("freespec:prompt_lookup{max_draft_tokens=-1}", "bad engine option"),
+    ("freespec:prompt_lookup{min_match}", "key=value"),
+    ("freespec:prompt_lookup{min_match=1,min_match=2}", "given twice"),
+    ("freespec:prompt_lookup{min_match=1", "unbalanced"),
+    ("vanilla,,hf-pld", "empty method"),
+    ("vanilla,vanilla", "listed twice"),
+    ("arctic-suffix{bogus=1}", "unknown arctic-suffix option"),
+    ("arctic-suffix:3", "options in braces"),
+    ("free spec!", "cannot parse"),
+])
+def test_bad_method_specs_say_why(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_methods(text)
+
+
+def test_single_method_value_types():
+    m = parse_method("freespec:prompt_lookup{min_match=2,max_occurrences=4}")
+    assert m.drafter_options == {"min_match": 2, "max_occurrences": 4}
+
+
+# ------------------------------------------------------------------------------ arctic wrapper
+def test_arctic_to_draft_reorders_and_checks():
+    draft = arctic_to_draft([9, 3], [1, -1], [0.2, 0.5], "s")
+    assert draft.token_ids.tolist() == [3, 9] and draft.parents.tolist() == [-1, 0]
+    assert draft.scores.tolist() == pytest.approx([0.5, 0.2]) and draft.sources == ("s", "s")
+    same = arctic_to_draft([3, 4, 9, 5], [-1, -1, 0, 0], None, "s")
+    assert same.parents.tolist() == [-1, -1, 0, 0]
+    assert arctic_to_draft([], [], [], "s").num_nodes == 0
+    with pytest.raises(ValueError):
+        arctic_to_draft([1, 2], [1, 0], None, "s")  # a cycle
+    with pytest.raises(ValueError):
+        arctic_to_draft([1], [-1, 0], None, "s")
+
+
+@pytest.mark.skipif(not arctic_available(), reason="arctic-inference is not installed (pip install 'freespec[peers]')")
+def test_arctic_suffix_drafter_lifecycle():
+    drafter = ArcticSuffixDrafter(max_tree_depth=16, min_token_prob=0.0, max_spec_factor=4.0)
+    prompt = np.array([7, 1, 2, 3, 9, 1, 2, 4, 1, 2, 3, 5, 1, 2])
+    drafter.start("r", prompt)
+    draft = drafter.propose("r", Budget(num_nodes=6, max_depth=3)).validate(Budget(6, 3))
+    assert 0 < draft.num_nodes <= 6 and set(draft.sources) == {"arctic-suffix"}
+    assert [3] in [p[:1] for p in draft.paths()]  # "1 2" was followed by 3 (and 4)
+    drafter.extend("r", [3, 9])
+    drafter.stop("r")
+    # the response went to the global tree: a new request with the same tail can draft from it
+    drafter.start("r", np.array([8, 8, 2, 3]))
+    assert drafter.propose("r", Budget(num_nodes=4, max_depth=4)).num_nodes >= 1
+    drafter.stop("r")
+    with pytest.raises(ValueError):
+        drafter.propose("r", Budget(4, 4))
+
+
+def test_arctic_missing_is_reported(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_arctic(name, *args, **kwargs):
+        if name.startswith("arctic_inference"):
+            raise ImportError("no arctic")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_arctic)
+    with pytest.raises(ImportError, match=r"freespec\[peers\]"):
+        ArcticSuffixDrafter()
+
+
+# ------------------------------------------------------------------------------ report
+def _record(new_tokens, forwards, wall_s, engine=None, matches=True):
+    return {"new_tokens": new_tokens, "forwards": forwards, "tau": new_tokens / forwards, "wall_s": wall_s,
+            "cpu_s": wall_s * 2, "tokens_per_s": new_tokens / wall_s, "tokens_fed_after_prefill": 3 * (forwards - 1),
+            "engine": engine, "matches_reference": matches}
+
+
+def _synthetic_results():
+    engine = {"new_tokens": 100, "forward_passes": 25, "tau": 4.0, "draft_s": 0.1, "verify_s": 0.8, "total_s": 1.0,
+              "tokens_fed": 72, "steps_with_draft": 20, "draft_tokens": 60, "accepted_draft_tokens": 50,
+              "fallback_reason": None, "per_drafter": {"prompt_lookup": {"proposed": 60, "accepted": 50}}}
+    prompts = []
+    for k, (category, fs_wall) in enumerate([("a", 1.0), ("a", 2.0), ("b", 4.0)]):
+        prompts.append({"index": k, "item_id": str(k), "turn": 1, "category": category, "prompt_tokens": 10,
+                        "order": [], "reference_output": "",
+                        "methods": {"vanilla": _record(100, 100, 4.0),
+                                    "hf-pld": _record(100, 50, 8.0),
+                                    "freespec": _record(100, 25, fs_wall, engine, matches=(k != 2))}})
+    labels = ["vanilla", "hf-pld", "freespec"]
+    return {
+        "config": {"model": "m", "dataset": "d", "methods": labels, "max_new_tokens": 100, "dtype": "float32",
+                   "temperature": 0.0},
+        "environment": {"cpu_model": "cpu", "torch_threads": 2, "torch": "t", "transformers": "tf",
+                        "freespec": "f", "date": "today", "command": "freespec bench ..."},
+        "greedy": True, "reference": "vanilla",
+        "unavailable": {"arctic-suffix": "arctic-inference is not installed"},
+        "mismatches": [{"prompt_index": 2, "method": "freespec", "first_difference": 5}],
+        "notes": ["OMP_WAIT_POLICY=PASSIVE"],
+        "summary": summarize(prompts, labels), "prompts": prompts,
+    }
+
+
+def test_summary_metrics():
+    results = _synthetic_results()
+    overall = results["summary"]["overall"]
+    assert overall["vanilla"]["tau"] == 1.0 and overall["hf-pld"]["tau"] == 2.0 and overall["freespec"]["tau"] == 4.0
+    fs = overall["freespec"]
+    assert fs["speedup_vs_vanilla"]["median"] == pytest.approx(2.0)  # per prompt 4, 2, 1
+    assert fs["speedup_vs_vanilla"]["total"] == pytest.approx(12.0 / 7.0)
+    assert fs["speedup_vs_hf_pld"]["median"] == pytest.approx(4.0)
+    assert fs["draft_overhead"] == pytest.approx(0.1) and fs["engine_tau"] == pytest.approx(4.0)
+    assert fs["fed_per_step"] == pytest.approx(3.0) and fs["mismatches"] == 1
+    assert overall["vanilla"]["speedup_vs_vanilla"] is None
+    per_b = results["summary"]["per_category"]["b"]["freespec"]
+    assert per_b["speedup_vs_vanilla"]["median"] == pytest.approx(1.0) and per_b["prompts"] == 1
+
+
+def test_reports_and_files(tmp_path):
+    results = _synthetic_results()
+    text = console_report(results)
+    assert "freespec" in text and "2.00/1.71" in text
+    assert "METHOD NOT RUN: arctic-suffix" in text and "GREEDY OUTPUT MISMATCH" in text
+    md = markdown_report(results)
+    assert "| method | tau |" in md and "**METHOD NOT RUN: arctic-suffix" in md
+    written = write_results(results, tmp_path / "out")
+    names = {p.name for p in written}
+    assert {"results.json", "results.md"} <= names
+    pytest.importorskip("matplotlib")
+    assert {"speedup_by_category.png", "tau_by_category.png", "tau_distribution.png"} <= names
+    assert all(p.stat().st_size > 1000 for p in written)
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["summary"]["overall"]["freespec"]["tau"] == 4.0
+
+
+# ------------------------------------------------------------------------------ end to end
+@pytest.fixture
+def tiny_model(monkeypatch):
+    from freespec import models
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # the CLI would set it for the whole test process
+
+    model = models.tiny_random_llama(vocab_size=128)
+    monkeypatch.setattr(models, "load", lambda name, dtype=None, **kw: (model, CharTokenizer()))
+    return model
+
+
+def _dataset(tmp_path):
+    path = tmp_path / "tiny.jsonl"
+    rows = [{"question_id": 1, "category": "rep", "turns": ["abcd abcd abcd", "again"]},
+            {"question_id": 2, "category": "other", "turns": ["xyz"]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_bench_end_to_end_then_replay(tmp_path, tiny_model, capsys):
+    from freespec.cli import main
+
+    out = tmp_path / "run"
+    code = main(["bench", "--model", "tiny", "--dataset", str(_dataset(tmp_path)), "--methods",
+                 "vanilla,hf-pld:4,freespec:prompt_lookup{min_match=1,max_draft_tokens=8}", "--max-new-tokens", "12",
+                 "--threads", "1", "--save-traces", "--no-progress", "--no-plots", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    results = json.loads((out / "results.json").read_text())
+    assert results["mismatches"] == [] and len(results["prompts"]) == 3
+    assert [p["order"][0] for p in results["prompts"]] == ["vanilla", results["prompts"][1]["order"][0], "vanilla"]
+    assert results["prompts"][1]["order"] == results["prompts"][0]["order"][::-1]  # ABAB / BABA
+    overall = results["summary"]["overall"]
+    assert overall["vanilla"]["tau"] == 1.0
+    fs = overall["freespec:prompt_lookup{min_match=1,max_draft_tokens=8}"]
+    assert fs["engine_tau"] == pytest.approx(fs["tau"]) and fs["draft_overhead"] is not None
+    assert results["environment"]["torch_threads"] == 1 and results["config"]["threads"] == 1
+    assert "PASSIVE" in " ".join(results["notes"]) or "OMP_WAIT_POLICY" in " ".join(results["notes"])
+    assert (out / "results.md").read_text().startswith("Model `tiny`")
+    assert "Overall" in text
+
+    traces = [json.loads(line) for line in (out / "traces.jsonl").read_text().splitlines()]
+    assert [t["category"] for t in traces] == ["rep", "rep", "other"]
+    assert all(len(t["output_ids"]) <= 12 for t in traces)
+    # the second turn's prompt holds the first turn's answer
+    assert len(traces[1]["prompt_ids"]) > len(traces[0]["prompt_ids"])
+
+    from freespec.bench.replay import replay_tau
+    from freespec import SpecConfig
+
+    replayed = replay_tau(traces, lambda: make("prompt_lookup", min_match=1), SpecConfig(max_draft_tokens=8))
+    engine_forwards = sum(p["methods"]["freespec:prompt_lookup{min_match=1,max_draft_tokens=8}"]["forwards"]
+                          for p in results["prompts"])
+    assert replayed["overall"]["forwards"] == engine_forwards
+
+
+def test_bench_reports_a_mismatch_and_exits_nonzero(tmp_path, tiny_model, monkeypatch, capsys):
+    from freespec.bench import runner
+    from freespec.cli import main
+
+    real = runner.MethodRunner.generate
+
+    def corrupt(self, model, input_ids, gen_kwargs):
+        out, stats = real(self, model, input_ids, gen_kwargs)
+        if self.method.kind == "hf-pld":
+            out = out.clone()
+            out[0, -1] = (out[0, -1] + 1) % 100 + 2
+        return out, stats
+
+    monkeypatch.setattr(runner.MethodRunner, "generate", corrupt)
+    args = ["bench", "--model", "tiny", "--dataset", str(_dataset(tmp_path)), "--methods", "vanilla,hf-pld",
+            "--limit", "1", "--categories", "other", "--max-new-tokens", "6", "--no-warmup", "--no-progress",
+            "--no-plots", "--out", str(tmp_path / "mm")]
+    assert main(args) == 1
+    captured = capsys.readouterr()
+    assert "OUTPUT MISMATCH" in captured.out and "mismatch" in captured.err
+    results = json.loads((tmp_path / "mm" / "results.json").read_text())
+    assert results["mismatches"][0]["method"] == "hf-pld"
+    assert main(args + ["--allow-mismatch"]) == 0
+
+
+def test_bench_rejects_bad_arguments_before_loading(tmp_path, capsys, monkeypatch):
+    from freespec import models
+    from freespec.cli import main
+
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("model loaded before arguments were checked"))
+    base = ["bench", "--model", "tiny", "--dataset", str(_dataset(tmp_path)), "--out", str(tmp_path / "x")]
+    assert main(base + ["--methods", "vanilla,bogus"]) == 2
+    assert "unknown method" in capsys.readouterr().err
+    assert main(base + ["--temperature", "0.7", "--save-traces"]) == 2
+    assert main(["bench", "--model", "tiny", "--dataset", "builtin:nope", "--out", "x"]) == 2
+
+
+def test_cli_help(capsys):
+    from freespec.cli import main
+
+    for argv in (["--help"], ["bench", "--help"], ["replay", "--help"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "arctic-suffix" in text and "--save-traces" in text and "--drafters" in text
+    assert main([]) == 2

@@ -1,0 +1,200 @@
+"""freespec replay: exact greedy tau from recorded outputs, checked on known drafters and against the engine."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from freespec import SpecConfig
+from freespec.bench.replay import accepted_path, load_traces, replay_one, replay_tau
+from freespec.draft import Budget, Draft
+from freespec.drafters import make
+from freespec.drafters.base import Drafter
+from freespec.drafters.testing import OracleDrafter, WrongDrafter
+
+
+class PerPromptReference(Drafter):
+    """Routes each request to a reference drafter built for its trace (found by prompt)."""
+
+    name = "per-prompt"
+
+    def __init__(self, traces, cls, **options):
+        super().__init__()
+        self.refs = {tuple(t["prompt_ids"]): t["prompt_ids"] + t["output_ids"] for t in traces}
+        self.cls, self.options, self.live = cls, options, {}
+        self.observe_top_k = 0
+
+    def start(self, request_id, prompt_ids):
+        inner = self.cls(self.refs[tuple(int(i) for i in prompt_ids)], vocab_size=1000, **self.options)
+        inner.start(request_id, prompt_ids)
+        self.live[request_id] = inner
+
+    def propose(self, request_id, budget):
+        return self.live[request_id].propose(request_id, budget)
+
+    def extend(self, request_id, accepted_ids):
+        self.live[request_id].extend(request_id, accepted_ids)
+
+    def stop(self, request_id):
+        self.live.pop(request_id).stop(request_id)
+
+
+def _trace(prompt, output, max_new_tokens, category="c"):
+    return {"prompt_ids": list(prompt), "output_ids": list(output), "max_new_tokens": max_new_tokens,
+            "category": category}
+
+
+def test_accepted_path_follows_the_truth_through_the_tree():
+    draft = Draft(np.array([5, 6, 8, 7]), np.array([-1, 0, 0, 1]))
+    assert accepted_path(draft, np.array([5, 8, 9])) == [0, 2]
+    assert accepted_path(draft, np.array([5, 6, 7, 1])) == [0, 1, 3]
+    assert accepted_path(draft, np.array([9])) == []
+    assert accepted_path(Draft.empty(), np.array([5])) == []
+
+
+def test_worked_example_from_the_docstring():
+    class NextTwo(Drafter):
+        def _propose(self, request_id, budget):
+            truth = [5, 6, 7, 8]
+            n = len(self.context(request_id)) - 1  # prompt is one token
+            return Draft.chain(truth[n:n + min(2, budget.max_depth)])
+
+    counts = replay_one(NextTwo(), 0, [1], [5, 6, 7, 8], 100, SpecConfig())
+    assert counts["forwards"] == 2 and counts["new_tokens"] == 4
+
+
+@pytest.mark.parametrize("length,max_new_tokens,depth,expected_forwards", [
+    (40, 40, 12, 4),     # 13 + 13 + 13 (depth capped at remaining - 1 = 0 on the last) + 1
+    (5, 100, 12, 1),     # stops at the end of the output (EOS) inside the first draft
+    (30, 30, 4, 6),      # 5 per forward
+    (1, 1, 12, 1),       # one token: the prefill alone
+])
+def test_oracle_gives_the_budget_bound(length, max_new_tokens, depth, expected_forwards):
+    traces = [_trace([3, 4, 5], list(range(100, 100 + length)), max_new_tokens)]
+    config = SpecConfig(max_draft_tokens=24, max_draft_depth=depth)
+    result = replay_tau(traces, lambda: PerPromptReference(traces, OracleDrafter), config)
+    assert result["overall"]["forwards"] == expected_forwards
+    assert result["overall"]["tau"] == pytest.approx(length / expected_forwards)
+
+
+def test_oracle_with_siblings_and_categories():
+    traces = [_trace([3, 4], list(range(100, 140)), 40, "a"), _trace([7], list(range(200, 226)), 64, "b"),
+              _trace([3, 9], list(range(300, 340)), 40, "a")]
+    config = SpecConfig(max_draft_tokens=24, max_draft_depth=12)
+    result = replay_tau(traces, lambda: PerPromptReference(traces, OracleDrafter, num_wrong_siblings=1), config)
+    # depth 12 but each level costs 2 nodes: 24 nodes -> 12 levels, so the bound is still 13 per forward
+    assert result["per_category"]["a"]["forwards"] == 8
+    assert result["per_category"]["b"]["forwards"] == 2  # 13 + 13
+    assert result["per_category"]["b"]["tau"] == pytest.approx(13.0)
+    assert result["overall"]["tau"] == pytest.approx(106 / 10)
+    assert [t["category"] for t in result["per_trace"]] == ["a", "b", "a"]
+
+
+def test_always_wrong_drafter_gives_tau_one():
+    traces = [_trace([3, 4, 5], list(range(100, 130)), 30), _trace([8], list(range(400, 417)), 64, "d")]
+    result = replay_tau(traces, lambda: PerPromptReference(traces, WrongDrafter), SpecConfig())
+    assert result["overall"]["tau"] == 1.0
+    assert result["overall"]["forwards"] == 47
+    assert result["overall"]["draft_tokens"] > 0 and result["overall"]["accepted_draft_tokens"] == 0
+
+
+def test_one_drafter_serves_every_trace_in_order():
+    seen = []
+
+    class Recorder(Drafter):
+        def _on_start(self, request_id):
+            seen.append(request_id)
+
+        def _propose(self, request_id, budget):
+            return Draft.empty()
+
+    traces = [_trace([1], [2, 3], 8), _trace([4], [5], 8)]
+    made = []
+    replay_tau(traces, lambda: made.append(1) or Recorder(), SpecConfig())
+    assert len(made) == 1 and len(seen) == 2 and seen[0] != seen[1]
+
+
+def test_observing_drafter_is_noted():
+    class Observer(Drafter):
+        name = "observer"
+        observe_top_k = 4
+
+        def _propose(self, request_id, budget):
+            return Draft.empty()
+
+    result = replay_tau([_trace([1], [2, 3], 8)], Observer, SpecConfig())
+    assert any("observe" in note for note in result["notes"])
+
+
+def test_replay_equals_the_engine_on_a_tiny_model():
+    """The point of replay: its forward count is the engine's, exactly."""
+    import torch
+
+    import freespec
+    from freespec import models
+
+    model = models.tiny_random_llama(vocab_size=64)
+    prompt = [0, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    config = SpecConfig(drafter="prompt_lookup", drafter_options={"min_match": 1}, max_draft_tokens=8,
+                        max_draft_depth=4, adaptive_budget=False)
+    freespec.patch(model, config)
+    try:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)
+        stats = freespec.stats(model)
+    finally:
+        freespec.unpatch(model)
+    output = out[0, len(prompt):].tolist()
+    assert stats.fallback_reason is None
+    traces = [_trace(prompt, output, 40)]
+    result = replay_tau(traces, lambda: make("prompt_lookup", min_match=1), config)
+    assert result["overall"]["forwards"] == stats.forward_passes
+    assert result["overall"]["draft_tokens"] == stats.draft_tokens
+
+
+def test_load_traces_checks_records(tmp_path):
+    good = tmp_path / "t.jsonl"
+    good.write_text(json.dumps(_trace([1], [2], 4)) + "\n\n")
+    assert len(load_traces(good)) == 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt_ids": [1]}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        load_traces(bad)
+    over = tmp_path / "over.jsonl"
+    over.write_text(json.dumps(_trace([1], [2, 3, 4], 2)) + "\n")
+    with pytest.raises(ValueError, match="over max_new_tokens"):
+        load_traces(over)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_traces(tmp_path / "missing.jsonl")
+
+
+def test_replay_cli(tmp_path, capsys):
+    from freespec.cli import main
+
+    path = tmp_path / "traces.jsonl"
+    rows = [_trace([1, 2, 3, 1, 2], [3, 1, 2, 3, 1, 2, 3], 16, "rep"), _trace([9, 8], [7, 6, 5], 16, "none")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out_json = tmp_path / "replay.json"
+    code = main(["replay", str(path), "--drafters", "prompt_lookup,prompt_lookup{min_match=1,max_draft_depth=2}",
+                 "--json", str(out_json)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "overall" in text and "rep" in text and "prompt_lookup{min_match=1,max_draft_depth=2}" in text
+    saved = json.loads(out_json.read_text())
+    assert saved["results"]["prompt_lookup"]["per_category"]["none"]["tau"] == 1.0
+    assert saved["results"]["prompt_lookup{min_match=1,max_draft_depth=2}"]["config"]["max_draft_depth"] == 2
+    assert main(["replay", str(path), "--drafters", "no_such_drafter"]) == 2
+
+
+def test_budget_is_the_engines():
+    budgets = []
+
+    class Spy(Drafter):
+        def _propose(self, request_id, budget):
+            budgets.append(budget)
+            return Draft.empty()
+
+    replay_one(Spy(), 0, [1], [2, 3, 4], 3, SpecConfig(max_draft_tokens=5, max_draft_depth=12))
+    # remaining 3 -> depth 2, remaining 2 -> depth 1, remaining 1 -> no proposal
+    assert budgets == [Budget(5, 2), Budget(5, 1)]
