@@ -10,6 +10,7 @@ from .base import Drafter, VerifyOutput
 # only matters to the drafter that needs it
 _REGISTRY = {
     "prompt_lookup": "freespec.drafters.prompt_lookup:PromptLookupDrafter",
+    "suffix": "freespec.drafters.suffix:SuffixDrafter",
     "ngram": "freespec.drafters.ngram_table:NgramTableDrafter",
     "corpus": "freespec.drafters.corpus:CorpusDrafter",
 }
