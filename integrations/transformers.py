@@ -24,6 +24,7 @@ callable, so the wrapper keeps it and the engine feeds it.
 
 from __future__ import annotations
 
+import copy
 import logging
 import weakref
 
@@ -188,6 +189,35 @@ def _fall_back(state: _PatchState, reason: str, args, kwargs, streamer):
     return state.original_generate(*args, **kwargs)
 
 
+def _move_stop_strings(model, kwargs) -> dict:
+    """Turn stop strings into a StopStringCriteria in ``stopping_criteria``.
+
+    transformers drops the ``tokenizer`` argument on its way to a
+    custom_generate callable, so stop strings would fail there; built here,
+    the criterion is the one plain generate() builds. Returns new kwargs.
+    """
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    kwargs = dict(kwargs)
+    tokenizer = kwargs.pop("tokenizer", None)
+    stop_strings = kwargs.pop("stop_strings", None)
+    config = kwargs.get("generation_config")
+    if stop_strings is None and config is not None and getattr(config, "stop_strings", None):
+        stop_strings = config.stop_strings
+        kwargs["generation_config"] = copy.deepcopy(config)
+        kwargs["generation_config"].stop_strings = None
+    if stop_strings is None and getattr(model.generation_config, "stop_strings", None):
+        stop_strings = model.generation_config.stop_strings
+        kwargs["stop_strings"] = None
+    if stop_strings:
+        if tokenizer is None:
+            raise ValueError("stop_strings need the model's tokenizer: pass tokenizer= to generate()")
+        criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+        kwargs["stopping_criteria"] = criteria
+    return kwargs
+
+
 def _generate(model, state: _PatchState, *args, **kwargs):
     inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     if isinstance(inputs, torch.Tensor) and inputs.shape[-1] == 0:
@@ -225,8 +255,11 @@ def _generate(model, state: _PatchState, *args, **kwargs):
             )
         return sequences
 
+    if kwargs.get("token_healing"):
+        return _fall_back(state, "token_healing", args, kwargs, streamer)
     try:
-        result = state.original_generate(*args, custom_generate=speculative_generate, **kwargs)
+        result = state.original_generate(*args, custom_generate=speculative_generate,
+                                         **_move_stop_strings(model, kwargs))
     except (_Fallback, UnsupportedForSpeculation) as exc:
         return _fall_back(state, str(exc), args, kwargs, streamer)
     if stats_box:

@@ -1,0 +1,36 @@
+import functools
+
+import pytest
+import torch
+
+from freespec import models
+
+
+@functools.lru_cache(maxsize=None)
+def _real(name):
+    return models.load(name)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of the real SmolLM2-135M-Instruct, float32."""
+    return _real("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return models.tiny_random_llama(vocab_size=128, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3():
+    return models.tiny_random_gemma3(vocab_size=128, seed=0)
+
+
+def plain_generate(model, *args, **kwargs):
+    """Unpatched generate(), whatever the model's patch state."""
+    import freespec.integrations.transformers as hf
+
+    generate = model.generate.__wrapped__ if hf.is_patched(model) else model.generate
+    with torch.no_grad():
+        return generate(*args, **kwargs)
