@@ -1,0 +1,162 @@
+"""The generate() patch: API, bad input, fallbacks, streamers, outputs."""
+
+import logging
+
+import pytest
+import torch
+
+import freespec
+from freespec import SpecConfig
+from freespec.models import tiny_random_llama
+
+from conftest import plain_generate
+
+PROMPT = torch.tensor([[0, 5, 9, 13, 5, 9, 13, 5, 9, 21, 30, 5, 9]])
+
+
+@pytest.fixture
+def model():
+    m = tiny_random_llama(seed=2)
+    yield m
+    if freespec.integrations.transformers.is_patched(m):
+        freespec.unpatch(m)
+
+
+def test_patch_unpatch_roundtrip(model):
+    plain = model.generate(PROMPT, max_new_tokens=12, do_sample=False)
+    assert freespec.patch(model) is model
+    assert model.generate(PROMPT, max_new_tokens=12, do_sample=False).tolist() == plain.tolist()
+    stats = freespec.stats(model)
+    assert stats.new_tokens == 12 and stats.forward_passes >= 1 and stats.fallback_reason is None
+    assert 1.0 <= stats.mean_accepted <= 12
+    freespec.unpatch(model)
+    assert "generate" not in model.__dict__
+    with pytest.raises(RuntimeError, match="not patched"):
+        freespec.stats(model)
+    with pytest.raises(RuntimeError, match="not patched"):
+        freespec.unpatch(model)
+
+
+def test_patch_twice_is_refused(model):
+    freespec.patch(model)
+    with pytest.raises(RuntimeError, match="already patched"):
+        freespec.patch(model)
+
+
+def test_unknown_config_key_names_it(model):
+    with pytest.raises(TypeError, match="max_draft_tokenz"):
+        freespec.patch(model, max_draft_tokenz=3)
+    with pytest.raises(ValueError, match="drafter='nope' is unknown"):
+        freespec.patch(model, drafter="nope")
+    with pytest.raises(ValueError, match="max_draft_tokens"):
+        freespec.patch(model, max_draft_tokens=-1)
+    with pytest.raises(TypeError, match="SpecConfig"):
+        freespec.patch(model, {"drafter": "suffix"})
+    with pytest.raises(ValueError, match="bad drafter_options for 'prompt_lookup'"):
+        freespec.patch(model, drafter="prompt_lookup", drafter_options={"min_matchh": 2})
+    assert not freespec.integrations.transformers.is_patched(model)
+
+
+def test_config_object_and_overrides(model):
+    freespec.patch(model, SpecConfig(drafter="prompt_lookup", max_draft_tokens=4), max_draft_depth=3)
+    model.generate(PROMPT, max_new_tokens=20, do_sample=False)
+    stats = freespec.stats(model)
+    assert stats.draft_tokens <= 4 * stats.steps_with_draft
+
+
+def test_empty_prompt_and_zero_new_tokens(model):
+    freespec.patch(model)
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        model.generate(torch.zeros((1, 0), dtype=torch.long), max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(PROMPT, max_new_tokens=0)
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(num_beams=2), "beam search"),
+    (dict(num_return_sequences=2, do_sample=True), "num_return_sequences"),
+    (dict(prompt_lookup_num_tokens=3), "prompt lookup"),
+    (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
+    (dict(use_cache=False), "use_cache=False"),
+])
+def test_unsupported_modes_fall_back_with_one_warning(model, kwargs, reason, caplog):
+    gen = dict(max_new_tokens=6, do_sample=False) | kwargs
+    torch.manual_seed(0)
+    plain = plain_generate(model, PROMPT, **gen)
+    freespec.patch(model)
+    with caplog.at_level(logging.WARNING, logger="freespec"):
+        for _ in range(2):
+            torch.manual_seed(0)
+            out = model.generate(PROMPT, **gen)
+            assert freespec.stats(model).fallback_reason is not None
+            assert reason in freespec.stats(model).fallback_reason
+    sequences = out.sequences if hasattr(out, "sequences") else out
+    expected = plain.sequences if hasattr(plain, "sequences") else plain
+    assert sequences.tolist() == expected.tolist()
+    assert len([r for r in caplog.records if "falling back" in r.getMessage()]) == 1
+
+
+def test_batch_falls_back_and_matches(model):
+    batch = torch.cat([PROMPT, PROMPT.flip(1)])
+    plain = plain_generate(model, batch, max_new_tokens=8, do_sample=False)
+    freespec.patch(model)
+    out = model.generate(batch, max_new_tokens=8, do_sample=False)
+    assert out.tolist() == plain.tolist()
+    assert "batch size 2" in freespec.stats(model).fallback_reason
+
+
+def test_user_cache_falls_back(model):
+    from transformers import DynamicCache
+
+    freespec.patch(model)
+    model.generate(PROMPT, max_new_tokens=4, do_sample=False, past_key_values=DynamicCache())
+    assert "cache" in freespec.stats(model).fallback_reason
+
+
+def test_streamer_receives_prompt_then_every_new_token(model):
+    from transformers.generation.streamers import BaseStreamer
+
+    class Recorder(BaseStreamer):
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, value):
+            self.chunks.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    plain_rec, spec_rec = Recorder(), Recorder()
+    plain = plain_generate(model, PROMPT, max_new_tokens=10, do_sample=False, streamer=plain_rec)
+    freespec.patch(model)
+    out = model.generate(PROMPT, max_new_tokens=10, do_sample=False, streamer=spec_rec)
+    assert out.tolist() == plain.tolist()
+    assert spec_rec.ended and plain_rec.ended
+    assert spec_rec.chunks[0] == PROMPT[0].tolist()
+    assert sum(spec_rec.chunks[1:], []) == sum(plain_rec.chunks[1:], []) == plain[0, PROMPT.shape[1]:].tolist()
+
+
+def test_return_dict_with_scores(model):
+    gen = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_scores=True,
+               output_logits=True)
+    plain = plain_generate(model, PROMPT, **gen)
+    freespec.patch(model)
+    out = model.generate(PROMPT, **gen)
+    assert out.sequences.tolist() == plain.sequences.tolist()
+    assert len(out.scores) == len(plain.scores) == 8
+    for a, b in zip(out.scores, plain.scores):
+        assert torch.allclose(a, b, atol=1e-6)
+    for a, b in zip(out.logits, plain.logits):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_drafter_instance_is_reused_across_calls(model):
+    from freespec.drafters.prompt_lookup import PromptLookupDrafter
+
+    drafter = PromptLookupDrafter(min_match=1)
+    freespec.patch(model, drafter=drafter)
+    for _ in range(2):
+        model.generate(PROMPT, max_new_tokens=5, do_sample=False)
+    assert drafter._contexts == {}, "every request is stopped"
+    with pytest.raises(ValueError, match="only apply to a drafter given by name"):
+        SpecConfig(drafter=drafter, drafter_options={"a": 1})
