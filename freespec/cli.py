@@ -1,4 +1,4 @@
-"""The ``freespec`` command: ``freespec bench`` and ``freespec replay``.
+"""The ``freespec`` command: ``freespec demo``, ``freespec bench`` and ``freespec replay``.
 
     freespec bench --model smollm2-135m --dataset builtin:code-edit \\
         --methods vanilla,hf-pld,freespec,freespec:suffix{min_match=3} --limit 20 --out runs/code-edit
@@ -66,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--out", required=True, help="output directory")
 
+    demo = sub.add_parser("demo", help="a real model generates with and without speculation, side by side",
+                          description="Load an offline model, generate greedily with plain generate() and with "
+                                      "freespec, print both outputs, whether they are identical, tokens/s and tau.")
+    demo.add_argument("--model", default="smollm2-135m", help="registered name or path (default: %(default)s)")
+    demo.add_argument("--prompt", help="the user message (default: a code-rewrite request)")
+    demo.add_argument("--max-new-tokens", type=int, default=160, help="(default: %(default)s)")
+    demo.add_argument("--drafter", help="drafter name (default: SpecConfig's default)")
+
     replay = sub.add_parser(
         "replay", formatter_class=argparse.RawDescriptionHelpFormatter,
         help="exact greedy tau of drafters from recorded outputs, without the model",
@@ -91,10 +99,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "bench":
             return bench_command(args, argv)
+        if args.command == "demo":
+            return demo_command(args)
         return replay_command(args)
     except ValueError as exc:
         print(f"freespec {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+# ------------------------------------------------------------------------------ demo
+def demo_command(args) -> int:
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    print(_set_omp_wait_policy())
+    from .demo import DEFAULT_PROMPT, run_demo
+
+    result = run_demo(args.model, args.prompt or DEFAULT_PROMPT, args.max_new_tokens, args.drafter)
+    return 0 if result["identical"] else EXIT_MISMATCH
 
 
 # ------------------------------------------------------------------------------ bench

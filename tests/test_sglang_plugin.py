@@ -5,7 +5,7 @@ the checks run in one child process (``python tests/test_sglang_plugin.py
 --json OUT``) that imports sglang once; each pytest test below reports one
 check. ``tests/sglang_stubs`` (import-only ``sgl_kernel`` and ``torchvision``)
 is put on the child's ``sys.path`` only. Install SGLang for these tests with
-``bash .ci/install_sglang.sh``; without it they skip.
+``bash scripts/install_sglang.sh``; without it they skip.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def results(tmp_path_factory):
     data = json.loads(out.read_text())
     if "unavailable" in data:
         pytest.skip(f"sglang is not importable here ({data['unavailable']}); "
-                    f"install it with: bash .ci/install_sglang.sh")
+                    f"install it with: bash scripts/install_sglang.sh")
     return data
 
 

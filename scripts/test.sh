@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Install freespec with its test extras (torch pinned to the CPU wheel) and run the test suite.
+#   bash scripts/test.sh                 # everything CI runs
+#   bash scripts/test.sh -m "not slow"   # extra arguments go to pytest
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+"$PY" -m pip install --quiet --disable-pip-version-check -c scripts/constraints.txt torch==2.13.0
+"$PY" -m pip install --quiet --disable-pip-version-check -c scripts/constraints.txt -e ".[test,bench]"
+PYTHON="$PY" bash scripts/install_sglang.sh
+exec "$PY" -m pytest "$@"
