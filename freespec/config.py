@@ -11,7 +11,7 @@ from typing import Any, Mapping
 class SpecConfig:
     """How freespec speculates.
 
-    drafter: a registered drafter name (``freespec.drafters.available()``) or a
+    drafter: a registered drafter name (``freespec.drafters.available()``; default ``mixture``) or a
         ``Drafter`` instance (shared across calls: that is how a corpus is shared).
     drafter_options: keyword arguments for the named drafter's constructor.
     max_draft_tokens: most tree nodes verified per step (the root not counted).
@@ -20,7 +20,7 @@ class SpecConfig:
         (drafters that support it, e.g. ``mixture``); otherwise the budget is fixed.
     """
 
-    drafter: Any = "prompt_lookup"
+    drafter: Any = "mixture"
     drafter_options: Mapping[str, Any] = field(default_factory=dict)
     max_draft_tokens: int = 24
     max_draft_depth: int = 12

@@ -14,7 +14,7 @@ from freespec.drafters.testing import OracleDrafter, WrongDrafter
 
 from conftest import plain_generate
 
-REAL_DRAFTERS = ["prompt_lookup"]
+REAL_DRAFTERS = ["prompt_lookup", "mixture", "suffix", "ngram", "corpus"]
 
 
 def _prompts(vocab_size, eos_token_id):

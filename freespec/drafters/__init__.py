@@ -13,6 +13,7 @@ _REGISTRY = {
     "suffix": "freespec.drafters.suffix:SuffixDrafter",
     "ngram": "freespec.drafters.ngram_table:NgramTableDrafter",
     "corpus": "freespec.drafters.corpus:CorpusDrafter",
+    "mixture": "freespec.drafters.mixture:MixtureDrafter",
 }
 
 

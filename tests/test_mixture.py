@@ -1,0 +1,217 @@
+"""MixtureDrafter: validity, dedup and attribution, cost model, calibration, gating, isolation."""
+
+import numpy as np
+import pytest
+
+from freespec.draft import Budget, Draft
+from freespec.drafters import make
+from freespec.drafters.corpus import Corpus
+from freespec.drafters.mixture import AcceptanceCalibrator, CostModel, MixtureDrafter
+from freespec.drafters.suffix import SharedCorpus
+
+RNG = np.random.default_rng(7)
+TEXT = RNG.integers(10, 500, size=200).astype(np.int64)  # no repeats to speak of, then repeated below
+PROMPT = np.concatenate([TEXT, TEXT[:50]])  # the tail TEXT[40:50] occurred before, followed by TEXT[50:]
+
+
+def _true_next(depth):
+    return TEXT[50 : 50 + depth]
+
+
+def test_registered_and_default():
+    from freespec.config import SpecConfig
+
+    assert isinstance(make("mixture"), MixtureDrafter)
+    assert SpecConfig().drafter == "mixture"
+
+
+@pytest.mark.parametrize("budget", [Budget(1, 1), Budget(5, 3), Budget(24, 12), Budget(64, 16), Budget(0, 5)])
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_draft_is_valid_within_budget(budget, adaptive):
+    drafter = MixtureDrafter(adaptive=adaptive, ngram=True, min_prob=0.0)
+    drafter.start("r", PROMPT)
+    for step in range(30):
+        draft = drafter.propose("r", budget)
+        draft.validate(budget)
+        assert draft.num_nodes == 0 or draft.scores is not None
+        if draft.num_nodes:
+            assert np.all(draft.scores[draft.parents[draft.parents >= 0]] >= draft.scores[draft.parents >= 0])
+            assert set(draft.sources) <= {"suffix", "ngram"}
+        drafter.extend("r", RNG.integers(10, 500, size=1 + step % 3))
+    drafter.stop("r")
+
+
+def test_copies_a_repeat_whole():
+    drafter = MixtureDrafter()
+    drafter.start("r", PROMPT)
+    draft = drafter.propose("r", Budget(24, 12))
+    assert draft.paths()[0][:12] == _true_next(12).tolist()
+    assert set(draft.sources) == {"suffix"}
+
+
+def test_dedup_across_sources_and_attribution():
+    shared = SharedCorpus(10_000)
+    documents = Corpus()
+    documents.add(TEXT)
+    drafter = MixtureDrafter(shared_corpus=shared, documents=documents, adaptive=False)
+    drafter.start("old", PROMPT[:10])
+    drafter.extend("old", TEXT[10:120])  # output: a later request finds TEXT in the shared corpus
+    drafter.stop("old")
+    drafter.start("r", PROMPT)
+    draft = drafter.propose("r", Budget(64, 12))
+    # three sources propose the same continuation: it appears once
+    truth = _true_next(12).tolist()
+    assert draft.paths().count(truth) == 1
+    assert sum(1 for p, t in zip(draft.parents.tolist(), draft.token_ids.tolist()) if p == -1 and t == truth[0]) == 1
+    assert len(draft.sources) == draft.num_nodes
+    assert set(draft.sources) <= {"suffix", "suffix-shared", "corpus"}
+    # a source only the document corpus knows is attributed to it
+    drafter.stop("r")
+    doc_only = np.arange(1000, 1040)
+    documents.add(doc_only)
+    drafter.start("s", np.concatenate([[7, 8], doc_only[:10]]))
+    draft = drafter.propose("s", Budget(16, 8))
+    assert draft.token_ids.tolist()[:8] == doc_only[10:18].tolist()
+    assert set(draft.sources) == {"corpus"}
+    drafter.stop("s")
+
+
+def test_add_documents_is_per_request():
+    drafter = MixtureDrafter()
+    doc = np.arange(2000, 2040)
+    drafter.start("a", [5, 6])
+    drafter.add_documents("a", [doc])
+    drafter.extend("a", doc[:6])
+    assert drafter.propose("a", Budget(8, 8)).token_ids.tolist()[:4] == doc[6:10].tolist()
+    drafter.stop("a")
+    drafter.start("b", np.concatenate([[5, 6], doc[:6]]))
+    assert drafter.propose("b", Budget(8, 8)).num_nodes == 0
+    drafter.stop("b")
+
+
+def test_no_cross_request_state_by_default():
+    drafter = MixtureDrafter(ngram=True)
+    drafter.start("a", TEXT)
+    drafter.extend("a", TEXT[:30])
+    drafter.stop("a")
+    drafter.start("b", TEXT[:20])
+    # "b" never saw TEXT[20:]: nothing it proposes can come from "a"
+    for _ in range(5):
+        draft = drafter.propose("b", Budget(24, 12))
+        assert not set(draft.token_ids.tolist()) & (set(TEXT[20:].tolist()) - set(TEXT[:20].tolist()))
+        drafter.extend("b", [9999])
+    drafter.stop("b")
+    assert drafter.shared_corpus is None and not drafter.ngram.shared
+
+
+def test_cost_model_fits_synthetic_timings():
+    model = CostModel()
+    assert model.cost(1) == 1.0 and model.cost(17) == pytest.approx(1.48)
+    for i in range(40):
+        for n in (1, 2, 4, 8, 16, 32, 64):
+            t = 0.05 * (1 + 0.1 * (n - 1)) * (1 + 0.2 * RNG.standard_normal() * 0.1)
+            model.add(n, t)
+        if i % 5 == 0:
+            model.add(1, 50.0)  # an outlier: medians ignore it
+        model.add(500, 9.0)  # a prefill: ignored
+    for n in (2, 8, 16, 64):
+        assert model.cost(n) == pytest.approx(1 + 0.1 * (n - 1), rel=0.1)
+    assert model.cost(12) == pytest.approx(2.1, rel=0.1)  # interpolated between 8 and 16
+    assert model.cost(80) > model.cost(64)
+
+
+def test_cost_model_prior_until_measured_and_monotone():
+    model = CostModel(prior_slope=0.05)
+    model.add(8, 0.1)  # no 1-token forward yet: still the prior
+    assert model.cost(8) == pytest.approx(1.35)
+    model.add(1, 0.1)
+    model.add(16, 0.05)  # faster than one token: noise, c stays >= 1 and non-decreasing
+    curve = model.curve()
+    assert np.all(np.diff(curve) >= 0) and curve[0] == 1.0
+
+
+def test_calibration_learns_synthetic_outcomes():
+    calibrator = AcceptanceCalibrator()
+    good, bad = calibrator.kind("suffix", 2, 1, 1.0), calibrator.kind("ngram", 0, 1, 0.5)
+    assert 0.3 < calibrator.probability(good) < 0.8
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        calibrator.tick()
+        calibrator.update(good, rng.random() < 0.9)
+        calibrator.update(bad, rng.random() < 0.05)
+    assert calibrator.probability(good) == pytest.approx(0.9, abs=0.06)
+    assert calibrator.probability(bad) == pytest.approx(0.05, abs=0.04)
+    # unjudged for many steps, an estimate fades back to the prior
+    for _ in range(20 * 512):
+        calibrator.tick()
+    assert calibrator.probability(bad) == pytest.approx(calibrator.prior(bad), abs=0.01)
+    # a longer match is a different kind, with a higher prior
+    assert calibrator.kind("suffix", 20, 1, 1.0) != good
+    assert calibrator.probability(calibrator.kind("suffix", 20, 1, 1.0)) > 0.8
+
+
+def test_choose_size():
+    drafter = MixtureDrafter()  # prior cost c(n) = 1 + 0.03 (n - 1)
+    assert drafter._choose_size(np.array([0.9, 0.8, 0.1, 0.02]), 24) == 3
+    assert drafter._choose_size(np.array([0.9, 0.8, 0.1, 0.02]), 2) == 2
+    assert drafter._choose_size(np.array([0.02, 0.01]), 24) == 0
+    assert MixtureDrafter(adaptive=False)._choose_size(np.array([0.02, 0.01]), 24) == 2
+
+
+def _run_steps(drafter, source_draft, truth_fn, num_steps, forward_s=lambda n: 0.05 * (1 + 0.06 * (n - 1))):
+    """Drive the drafter with one fake source; return the draft sizes."""
+    drafter._source_drafts = lambda request_id, request, budget: [("suffix", 12, source_draft)]
+    drafter.start("r", PROMPT)
+    drafter.on_forward(len(PROMPT), 1.0)  # the prefill: ignored
+    for _ in range(3):
+        drafter.on_forward(1, forward_s(1))
+    sizes = []
+    for step in range(num_steps):
+        draft = drafter.propose("r", Budget(24, 12))
+        sizes.append(draft.num_nodes)
+        drafter.on_forward(1 + draft.num_nodes, forward_s(1 + draft.num_nodes))
+        drafter.extend("r", truth_fn(step))
+    drafter.stop("r")
+    return sizes
+
+
+def test_gating_drops_an_always_wrong_source():
+    wrong = Draft.chain(list(range(100, 112)), score=1.0)  # confident, 12-token match, always wrong
+    sizes = _run_steps(MixtureDrafter(), wrong, lambda step: [7], 40)
+    assert sizes[0] == 12  # trusted at first (a long match)
+    assert max(sizes[3:]) <= 3  # the tree shrinks after a few rejections
+    assert sizes[-10:] == [0] * 10  # and is gated out: one node no longer pays c(2) / c(1)
+    # without adaptive sizing it keeps proposing
+    sizes = _run_steps(MixtureDrafter(adaptive=False), wrong, lambda step: [7], 10)
+    assert sizes == [12] * 10
+
+
+def test_always_right_source_keeps_full_trees():
+    chain = list(range(100, 124))
+    right = Draft.chain(chain, score=1.0)
+    sizes = _run_steps(MixtureDrafter(), right, lambda step: chain[:12] + [5], 30)
+    assert sizes == [12] * 30  # the budget's depth caps the chain (the source returned 24 nodes)
+
+
+def test_option_validation():
+    for options in ({"adaptive": 1}, {"min_match": 0}, {"max_depth": 0}, {"min_prob": 1.5},
+                    {"shared_corpus_tokens": 1}, {"shared_corpus_tokens": -3}, {"shared_corpus": object()},
+                    {"shared_corpus": SharedCorpus(100), "shared_corpus_tokens": 100}, {"documents": [1, 2]},
+                    {"ngram": "yes"}, {"ngram_below": 0}, {"ngram_observe_top_k": -1}, {"prior_cost_slope": -1}):
+        with pytest.raises(ValueError):
+            MixtureDrafter(**options)
+    with pytest.raises(ValueError):
+        make("mixture", no_such_option=1)
+    drafter = MixtureDrafter()
+    with pytest.raises(ValueError):
+        drafter.propose("nope", Budget(4, 4))
+    drafter.start("r", [1, 2])
+    with pytest.raises(ValueError):
+        drafter.add_documents("r", ["text"])  # a text needs a tokenizer
+    with pytest.raises(ValueError):
+        drafter.add_documents("other", [[1, 2, 3]])
+
+
+def test_observe_top_k_only_with_ngram_learning():
+    assert MixtureDrafter().observe_top_k == 0
+    assert MixtureDrafter(ngram=True, ngram_observe_top_k=8).observe_top_k == 8
