@@ -139,8 +139,12 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------ the loop
     def generate(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None,
-                 generator: torch.Generator | None = None):
-        """Decode one row; returns (sequences [1, L], scores per new token, raw logits per new token, cache)."""
+                 generator: torch.Generator | None = None, documents=None, tokenizer=None):
+        """Decode one row; returns (sequences [1, L], scores per new token, raw logits per new token, cache).
+
+        ``documents``: token-id arrays or texts (with ``tokenizer``) this request's drafter
+        may draft from (RAG passages, files being edited); needs a drafter with ``add_documents``.
+        """
         config, stats, drafter = self.config, self.stats, self.drafter
         t_start = time.perf_counter()
         do_sample = bool(generation_config.do_sample)
@@ -160,8 +164,10 @@ class SpeculativeDecoder:
 
         t0 = time.perf_counter()
         drafter.start(request_id, np.asarray(prompt, np.int64))
-        stats.draft_s += time.perf_counter() - t0
         try:
+            if documents is not None:
+                drafter.add_documents(request_id, documents, tokenizer)
+            stats.draft_s += time.perf_counter() - t0
             done = len(sequence) >= max_length
             while not done:
                 remaining = max_length - len(sequence)

@@ -20,6 +20,11 @@ or HF prompt lookup, a user-supplied cache, a padded attention mask,
 a non-default ``cache_implementation`` and extra model inputs (images, ...).
 Streamers work: transformers does not hand a streamer to a custom_generate
 callable, so the wrapper keeps it and the engine feeds it.
+
+One argument plain ``generate()`` lacks: ``documents=[...]`` (texts, with
+``tokenizer=``, or token-id sequences) gives this call's drafter documents to
+draft from, e.g. the retrieved passages of a RAG prompt. If the call falls
+back to plain decoding, documents only cost nothing: output is the same.
 """
 
 from __future__ import annotations
@@ -223,6 +228,16 @@ def _generate(model, state: _PatchState, *args, **kwargs):
     if isinstance(inputs, torch.Tensor) and inputs.shape[-1] == 0:
         raise ValueError("input_ids is empty: freespec needs a prompt of at least one token (e.g. the BOS token)")
     streamer = kwargs.pop("streamer", None)
+    documents = kwargs.pop("documents", None)
+    if documents is not None:
+        if not hasattr(state.drafter, "add_documents"):
+            raise ValueError(f"documents= needs a drafter that drafts from documents (mixture, corpus); "
+                             f"this model's drafter is {getattr(state.drafter, 'name', state.drafter)!r}")
+        if isinstance(documents, (str, bytes)) or not hasattr(documents, "__iter__"):
+            raise ValueError("documents must be a list of texts or of token-id sequences")
+        documents = list(documents)
+        if any(isinstance(d, str) for d in documents) and kwargs.get("tokenizer") is None:
+            raise ValueError("text documents need tokenizer= in generate() to turn them into token ids")
     reason = _fallback_reason_from_kwargs(args, kwargs)
     if reason is not None:
         return _fall_back(state, reason, args, kwargs, streamer)
@@ -243,7 +258,8 @@ def _generate(model, state: _PatchState, *args, **kwargs):
             streamer.put(input_ids.cpu())
         decoder = SpeculativeDecoder(model_, state.drafter, state.config, stats_, traits)
         sequences, scores, logits, cache = decoder.generate(
-            input_ids, logits_processor, stopping_criteria, generation_config, streamer)
+            input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+            documents=documents, tokenizer=tokenizer)
         if generation_config.return_dict_in_generate:
             from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -255,6 +271,7 @@ def _generate(model, state: _PatchState, *args, **kwargs):
             )
         return sequences
 
+    tokenizer = kwargs.get("tokenizer")
     if kwargs.get("token_healing"):
         return _fall_back(state, "token_healing", args, kwargs, streamer)
     try:

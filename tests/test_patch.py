@@ -160,3 +160,28 @@ def test_drafter_instance_is_reused_across_calls(model):
     assert drafter._contexts == {}, "every request is stopped"
     with pytest.raises(ValueError, match="only apply to a drafter given by name"):
         SpecConfig(drafter=drafter, drafter_options={"a": 1})
+
+
+@pytest.mark.parametrize("drafter", ["corpus", "mixture"])
+def test_documents_feed_the_drafter_and_keep_output_exact(model, drafter):
+    plain = plain_generate(model, PROMPT, max_new_tokens=40, do_sample=False)
+    continuation = plain[0, PROMPT.shape[1]:].tolist()
+    freespec.patch(model, drafter=drafter)
+    out = model.generate(PROMPT, max_new_tokens=40, do_sample=False, documents=[[7, 7] + continuation + [3]])
+    assert out.tolist() == plain.tolist()
+    with_docs = freespec.stats(model).mean_accepted
+    model.generate(PROMPT, max_new_tokens=40, do_sample=False)
+    assert with_docs > freespec.stats(model).mean_accepted, "the per-call documents must not outlive the call"
+    assert with_docs > 3
+
+
+def test_documents_errors(model):
+    freespec.patch(model, drafter="prompt_lookup")
+    with pytest.raises(ValueError, match="documents= needs a drafter"):
+        model.generate(PROMPT, max_new_tokens=4, documents=[[1, 2, 3]])
+    freespec.unpatch(model)
+    freespec.patch(model, drafter="corpus")
+    with pytest.raises(ValueError, match="tokenizer="):
+        model.generate(PROMPT, max_new_tokens=4, documents=["some text"])
+    with pytest.raises(ValueError, match="list of texts"):
+        model.generate(PROMPT, max_new_tokens=4, documents="some text")
