@@ -45,6 +45,24 @@ class SpecConfig:
         elif self.drafter_options:
             raise ValueError("drafter_options only apply to a drafter given by name, not to a Drafter instance")
 
+    def make_drafter(self):
+        """The drafter this config names (built with its options), or the instance it holds.
+
+        A drafter class with an ``adaptive`` option gets ``adaptive_budget``.
+        """
+        if not isinstance(self.drafter, str):
+            return self.drafter
+        import inspect
+
+        from .drafters import drafter_class, make
+
+        options = dict(self.drafter_options)
+        if "adaptive" in inspect.signature(drafter_class(self.drafter)).parameters:
+            if "adaptive" in options and options["adaptive"] != self.adaptive_budget:
+                raise ValueError("drafter_options['adaptive'] contradicts adaptive_budget; set only adaptive_budget")
+            options["adaptive"] = self.adaptive_budget
+        return make(self.drafter, **options)
+
     def replace(self, **overrides) -> "SpecConfig":
         """A copy with ``overrides``; an unknown key raises ``TypeError`` naming it."""
         known = {f.name for f in dataclasses.fields(self)}

@@ -36,7 +36,6 @@ import weakref
 import torch
 
 from ..config import SpecConfig
-from ..drafters import make as make_drafter
 from ..engine import ModelTraits, SpeculativeDecoder, UnsupportedForSpeculation
 from ..stats import SpecStats
 
@@ -56,10 +55,7 @@ class _PatchState:
         self.config = config
         self.original_generate = model.generate
         self.had_instance_generate = "generate" in model.__dict__
-        if isinstance(config.drafter, str):
-            self.drafter = make_drafter(config.drafter, **dict(config.drafter_options))
-        else:
-            self.drafter = config.drafter
+        self.drafter = config.make_drafter()
         self.stats = SpecStats()
         self.warned: set[str] = set()
 

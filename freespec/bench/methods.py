@@ -183,14 +183,12 @@ def make_drafter(method: MethodSpec):
 
         return ArcticSuffixDrafter(**method.drafter_options)
     from ..config import SpecConfig
-    from ..drafters import make
 
-    if method.drafter is None:  # SpecConfig's default drafter, built here so it lives across prompts
-        default = SpecConfig()
-        if not isinstance(default.drafter, str):
-            return default.drafter
-        return make(default.drafter, **dict(default.drafter_options))
-    return make(method.drafter, **method.drafter_options)
+    # one instance per method, built here so it lives across prompts (as one patched model's does)
+    options = dict(method.spec_options)
+    if method.drafter is not None:
+        options.update(drafter=method.drafter, drafter_options=method.drafter_options)
+    return SpecConfig(**options).make_drafter()
 
 
 def make_config(method: MethodSpec, drafter=None):

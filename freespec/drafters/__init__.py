@@ -26,19 +26,24 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def drafter_class(name: str) -> type:
+    """The class registered as ``name``."""
+    if name not in _REGISTRY:
+        raise ValueError(f"drafter={name!r} is unknown; available: {', '.join(available())}")
+    module_name, cls_name = _REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module_name), cls_name)
+
+
 def make(name: str, **options) -> Drafter:
     """Build the drafter registered as ``name`` with ``options``.
 
     ``make("prompt_lookup", max_ngram=4)``; an unknown name or option raises.
     """
-    if name not in _REGISTRY:
-        raise ValueError(f"drafter={name!r} is unknown; available: {', '.join(available())}")
-    module_name, cls_name = _REGISTRY[name].split(":")
-    cls = getattr(importlib.import_module(module_name), cls_name)
+    cls = drafter_class(name)
     try:
         return cls(**options)
     except TypeError as exc:
         raise ValueError(f"bad drafter_options for {name!r}: {exc}") from None
 
 
-__all__ = ["Drafter", "VerifyOutput", "available", "make", "register"]
+__all__ = ["Drafter", "VerifyOutput", "available", "drafter_class", "make", "register"]
