@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import time
 
-DEFAULT_PROMPT = '''Rename the function `moving_average` to `rolling_mean` and output the whole code.
-
-```python
-def moving_average(values, window):
+EXAMPLE_CODE = '''def moving_average(values, window):
     """Return the moving averages of values over window."""
     if window <= 0:
         raise ValueError("window must be positive")
@@ -29,7 +26,10 @@ def moving_average(values, window):
         if i >= window - 1:
             out.append(total / window)
     return out
-```'''
+'''
+
+DEFAULT_PROMPT = ("Rename the function `moving_average` to `rolling_mean` and output the whole code.\n\n"
+                  f"```python\n{EXAMPLE_CODE}```")
 
 
 def _timed(generate, input_ids, max_new_tokens):

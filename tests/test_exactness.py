@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import freespec
+from freespec.demo import EXAMPLE_CODE
 from freespec.drafters.testing import OracleDrafter, WrongDrafter
 
 from conftest import plain_generate
@@ -108,20 +109,7 @@ def _chat(tokenizer, text):
                                          return_tensors="pt", return_dict=True)["input_ids"]
 
 
-CODE = '''def moving_average(values, window):
-    """Return the moving averages of values over window."""
-    if window <= 0:
-        raise ValueError("window must be positive")
-    out = []
-    total = 0.0
-    for i, value in enumerate(values):
-        total += value
-        if i >= window:
-            total -= values[i - window]
-        if i >= window - 1:
-            out.append(total / window)
-    return out
-'''
+CODE = EXAMPLE_CODE
 
 
 def _real_prompts(tokenizer):
