@@ -1,3 +1,8 @@
+import os
+
+# OpenMP threads that spin while other processes want the cores collapse throughput on a shared machine
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import functools
 
 import pytest
