@@ -7,7 +7,10 @@ Sources, each a tree of continuations with the length of the match it came from:
   or ``shared_corpus``); without it nothing a request reads comes from another request;
 - ``corpus``: documents, shared (``documents=Corpus``) or per request (``add_documents``);
 - ``ngram``: an n-gram table (per request unless ``ngram_shared``), consulted only when no
-  other source has a match of ``ngram_below`` tokens or more (opt-in, see ``ngram``).
+  other source has a match of ``ngram_below`` tokens or more. On recorded outputs of
+  qwen2.5-coder-0.5b it raises tau from 1.50 to 1.63 (Spec-Bench) and 6.30 to 6.98
+  (code-edit), mostly by drafting after 1-token matches; learning the target's top-k
+  (``ngram_observe_top_k``) is off: it costs a top-k of the logits and ~2 ms per step.
 
 Each step, every node's raw score (the frequency of its path among the
 match's occurrences) becomes a *calibrated* probability: the chance that the
@@ -227,7 +230,7 @@ class MixtureDrafter(Drafter):
     def __init__(self, adaptive: bool = True, min_match: int = 2, max_depth: int = 16, min_prob: float = 0.1,
                  max_occurrences: int = 64, shared_corpus_tokens: int = 0, corpus_prompts: bool = False,
                  shared_corpus: SharedCorpus | None = None, documents: Corpus | None = None,
-                 ngram: bool = False, ngram_below: int = 3, ngram_shared: bool = False,
+                 ngram: bool = True, ngram_below: int = 3, ngram_shared: bool = False,
                  ngram_observe_top_k: int = 0, prior_cost_slope: float = 0.03):
         super().__init__()
         if not isinstance(adaptive, bool):
@@ -276,6 +279,7 @@ class MixtureDrafter(Drafter):
         own = SuffixAutomaton(2 * prompt_ids.size)
         own.extend(prompt_ids)
         self._requests[request_id] = _Request(own, prompt_ids.size)
+        self._last_request = request_id
         if self.ngram is not None:
             self.ngram.start(request_id, prompt_ids)
 
