@@ -154,7 +154,7 @@ class AcceptanceCalibrator:
     MATCH_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # bucket b holds match lengths in [EDGES[b-1], EDGES[b])
     FREQ_EDGES = (0.2, 0.4, 0.6, 0.8, 0.999)
 
-    def __init__(self, prior_strength: float = 2.0, half_life: float = 512.0):
+    def __init__(self, prior_strength: float = 2.0, half_life: float = 128.0):
         if not prior_strength > 0 or not half_life > 0:
             raise ValueError(f"need prior_strength > 0 and half_life > 0, got {prior_strength!r}, {half_life!r}")
         self.prior_strength, self.half_life = float(prior_strength), float(half_life)
