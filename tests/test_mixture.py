@@ -177,7 +177,7 @@ def _run_steps(drafter, source_draft, truth_fn, num_steps, forward_s=lambda n: 0
 
 def test_gating_drops_an_always_wrong_source():
     wrong = Draft.chain(list(range(100, 112)), score=1.0)  # confident, 12-token match, always wrong
-    sizes = _run_steps(MixtureDrafter(), wrong, lambda step: [7], 40)
+    sizes = _run_steps(MixtureDrafter(), wrong, lambda step: [7], 45)
     assert sizes[0] == 12  # trusted at first (a long match)
     assert max(sizes[3:]) <= 3  # the tree shrinks after a few rejections
     assert sizes[-10:] == [0] * 10  # and is gated out: one node no longer pays c(2) / c(1)
