@@ -215,3 +215,16 @@ def test_option_validation():
 def test_observe_top_k_only_with_ngram_learning():
     assert MixtureDrafter().observe_top_k == 0
     assert MixtureDrafter(ngram=True, ngram_observe_top_k=8).observe_top_k == 8
+
+
+def test_observe_feeds_the_ngram_table():
+    from freespec.drafters.base import VerifyOutput
+
+    drafter = MixtureDrafter(ngram_observe_top_k=2)
+    drafter.start("r", [1, 2, 3])
+    draft = drafter.propose("r", Budget(8, 4))
+    drafter.observe("r", VerifyOutput(draft, np.zeros(0, np.int64), np.array([[42, 43]] * (draft.num_nodes + 1))))
+    drafter.extend("r", [5])
+    drafter.extend("r", [3])  # the context ends with 3 again: the table learned 3 -> 42 from the model
+    assert 42 in drafter.propose("r", Budget(8, 4)).token_ids.tolist()
+    drafter.stop("r")
