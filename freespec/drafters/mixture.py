@@ -212,7 +212,7 @@ class MixtureDrafter(Drafter):
 
     adaptive: size the tree from the cost model and calibrated acceptance (the
         default); False always fills ``budget.num_nodes`` with the best nodes
-        (what ``SpecConfig(adaptive_budget=False)`` should select).
+        (``SpecConfig.make_drafter`` passes ``adaptive_budget`` here).
     min_match / max_depth / min_prob / max_occurrences: the suffix sources' options
         (as ``SuffixDrafter``'s).
     shared_corpus_tokens: > 0 builds a private ``SharedCorpus`` of finished requests
