@@ -16,6 +16,7 @@ PY=${PYTHON:-python}
 PACKAGES=(
   pybase64 triton starlette msgspec pyzmq aiohttp dill einops "compressed-tensors==0.18.0"
   "openai==2.6.1" partial_json_parser setproctitle uvicorn fastapi "apache-tvm-ffi==0.1.11"
+  orjson ipython sentencepiece
 )
 
 installed() {
