@@ -15,15 +15,18 @@ class SpecConfig:
         ``Drafter`` instance (shared across calls: that is how a corpus is shared).
     drafter_options: keyword arguments for the named drafter's constructor.
     max_draft_tokens: most tree nodes verified per step (the root not counted).
-    max_draft_depth: longest path in a draft.
+    max_draft_depth: longest path in a draft. Both are caps: the default ``mixture``
+        drafter sizes each tree below them from its live cost model, so they are set
+        for copy-heavy output (code edits accept 30+ token chains); a drafter without
+        a cost model fills them whenever it has a match.
     adaptive_budget: let the drafter size the tree from a measured cost model
         (drafters that support it, e.g. ``mixture``); otherwise the budget is fixed.
     """
 
     drafter: Any = "mixture"
     drafter_options: Mapping[str, Any] = field(default_factory=dict)
-    max_draft_tokens: int = 24
-    max_draft_depth: int = 12
+    max_draft_tokens: int = 64
+    max_draft_depth: int = 48
     adaptive_budget: bool = True
 
     def __post_init__(self):
