@@ -220,7 +220,7 @@ def test_observe_top_k_only_with_ngram_learning():
 def test_observe_feeds_the_ngram_table():
     from freespec.drafters.base import VerifyOutput
 
-    drafter = MixtureDrafter(ngram_observe_top_k=2)
+    drafter = MixtureDrafter(ngram=True, ngram_observe_top_k=2, adaptive=False)
     drafter.start("r", [1, 2, 3])
     draft = drafter.propose("r", Budget(8, 4))
     drafter.observe("r", VerifyOutput(draft, np.zeros(0, np.int64), np.array([[42, 43]] * (draft.num_nodes + 1))))

@@ -7,10 +7,12 @@ Sources, each a tree of continuations with the length of the match it came from:
   or ``shared_corpus``); without it nothing a request reads comes from another request;
 - ``corpus``: documents, shared (``documents=Corpus``) or per request (``add_documents``);
 - ``ngram``: an n-gram table (per request unless ``ngram_shared``), consulted only when no
-  other source has a match of ``ngram_below`` tokens or more. On recorded outputs of
-  qwen2.5-coder-0.5b it raises tau from 1.50 to 1.63 (Spec-Bench) and 6.30 to 6.98
-  (code-edit), mostly by drafting after 1-token matches; learning the target's top-k
-  (``ngram_observe_top_k``) is off: it costs a top-k of the logits and ~2 ms per step.
+  other source has a match of ``ngram_below`` tokens or more. Off by default: on recorded
+  outputs of qwen2.5-coder-0.5b it raises tau from 1.50 to 1.63 (Spec-Bench) and 6.30 to
+  6.98 (code-edit), mostly by drafting after 1-token matches, but with the verify cost
+  measured on 2 CPU threads (c(2..16) ~2.2) those extra drafts cost more than they save
+  (-3% tokens/s on code-edit); learning the target's top-k (``ngram_observe_top_k``)
+  adds a top-k of the logits and ~2 ms per step (live: +5% tau, +5% CPU time).
 
 Each step, every node's raw score (the frequency of its path among the
 match's occurrences) becomes a *calibrated* probability: the chance that the
@@ -66,10 +68,12 @@ class CostModel:
     Forwards are kept per bucket ``n in {1, 2, 4, ..., 64}`` (a forward goes to
     the nearest bucket in log2), the last ``window`` of each; a bucket's value is
     the median time over the median time of bucket 1 (a line through the
-    buckets' medians, read at n=1, while bucket 1 has under 3 forwards), blended with the prior
-    ``1 + prior_slope (n - 1)`` by ``count / (count + prior_count)``, made
-    non-decreasing, and interpolated linearly in ``n`` between buckets (and
-    extrapolated with the last slope past 64). Forwards of more than 64 tokens
+    buckets' medians, read at n=1, while bucket 1 has none). Unmeasured buckets
+    are interpolated between measured ones (the prior's slope past the last);
+    the prior ``1 + prior_slope (n - 1)`` holds until two buckets are measured.
+    The curve is made non-decreasing and read linearly in ``n`` between buckets
+    (measured on qwen2.5-coder-0.5b, 2 CPU threads: c(2..16) ~2.2, nearly flat),
+    extrapolated past 64. Forwards of more than 64 tokens
     (prefills) are ignored.
 
     ``CostModel().cost(9) == 1.24`` before any measurement.
@@ -77,12 +81,12 @@ class CostModel:
 
     BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
-    def __init__(self, prior_slope: float = 0.03, window: int = 32, prior_count: float = 3.0):
+    def __init__(self, prior_slope: float = 0.03, window: int = 32):
         if not prior_slope >= 0:
             raise ValueError(f"prior_slope must be >= 0, got {prior_slope!r}")
         if not _is_int(window) or window < 1:
             raise ValueError(f"window must be an int >= 1, got {window!r}")
-        self.prior_slope, self.prior_count = float(prior_slope), float(prior_count)
+        self.prior_slope = float(prior_slope)
         self._times = [deque(maxlen=window) for _ in self.BUCKETS]  # per bucket: forward seconds
         self._curve: np.ndarray | None = None  # c at BUCKETS, cached until the next add()
 
@@ -99,25 +103,29 @@ class CostModel:
     def curve(self) -> np.ndarray:
         """c at ``BUCKETS``, ``[7]`` float64."""
         if self._curve is None:
-            curve = np.array([self.prior(n) for n in self.BUCKETS])
+            sizes = np.array(self.BUCKETS, np.float64)
+            curve = 1.0 + self.prior_slope * (sizes - 1)
             base_s = self._one_token_s()
             if base_s is not None:
-                for b in range(1, len(self.BUCKETS)):
-                    times = self._times[b]
-                    if times:
-                        weight = len(times) / (len(times) + self.prior_count)
-                        measured = max(1.0, float(np.median(times)) / base_s)
-                        curve[b] = weight * measured + (1 - weight) * curve[b]
+                measured = [b for b in range(1, len(sizes)) if self._times[b]]
+                known_at, known = [0], [1.0]
+                for b in measured:
+                    known_at.append(b)
+                    known.append(max(1.0, float(np.median(self._times[b])) / base_s))
+                # unmeasured buckets: interpolated between measured ones, the prior's slope past the last
+                curve = np.interp(sizes, sizes[known_at], known)
+                last = known_at[-1]
+                curve[last + 1:] = known[-1] + self.prior_slope * (sizes[last + 1:] - sizes[last])
             self._curve = np.maximum.accumulate(curve)
         return self._curve
 
     def _one_token_s(self) -> float | None:
-        """Median 1-token forward time; without 3 of those, a line through the bucket medians at n=1."""
-        if len(self._times[0]) >= 3:
+        """Median 1-token forward time; without one, a line through the other buckets' medians at n=1."""
+        if self._times[0]:
             return float(np.median(self._times[0]))
         measured = [(n, float(np.median(t))) for n, t in zip(self.BUCKETS, self._times) if t]
         if len(measured) < 2:
-            return float(np.median(self._times[0])) if self._times[0] else None
+            return None
         sizes, times = np.array(measured).T
         slope, intercept = np.polyfit(sizes, times, 1)
         line_s = intercept + max(slope, 0.0)
@@ -230,7 +238,7 @@ class MixtureDrafter(Drafter):
     def __init__(self, adaptive: bool = True, min_match: int = 2, max_depth: int = 16, min_prob: float = 0.1,
                  max_occurrences: int = 64, shared_corpus_tokens: int = 0, corpus_prompts: bool = False,
                  shared_corpus: SharedCorpus | None = None, documents: Corpus | None = None,
-                 ngram: bool = True, ngram_below: int = 3, ngram_shared: bool = False,
+                 ngram: bool = False, ngram_below: int = 3, ngram_shared: bool = False,
                  ngram_observe_top_k: int = 0, prior_cost_slope: float = 0.03):
         super().__init__()
         if not isinstance(adaptive, bool):
@@ -374,7 +382,7 @@ class MixtureDrafter(Drafter):
                     out.append(("corpus", doc_match_len,
                                 Draft.from_sequences(found, num_nodes=budget.num_nodes, max_depth=depth)))
         if self.ngram is not None and max((m for _, m, _ in out), default=0) < self.ngram_below:
-            out.append(("ngram", 0, self.ngram.propose(request_id, Budget(budget.num_nodes, depth))))
+            out.append(("ngram", 1, self.ngram.propose(request_id, Budget(budget.num_nodes, depth))))
         return [source for source in out if source[2].num_nodes]
 
     def _suffix_draft(self, automaton: SuffixAutomaton, state: int, depth: int, num_nodes: int) -> Draft:
