@@ -235,7 +235,7 @@ class MixtureDrafter(Drafter):
 
     name = "mixture"
 
-    def __init__(self, adaptive: bool = True, min_match: int = 2, max_depth: int = 16, min_prob: float = 0.1,
+    def __init__(self, adaptive: bool = True, min_match: int = 2, max_depth: int = 64, min_prob: float = 0.1,
                  max_occurrences: int = 64, shared_corpus_tokens: int = 0, corpus_prompts: bool = False,
                  shared_corpus: SharedCorpus | None = None, documents: Corpus | None = None,
                  ngram: bool = False, ngram_below: int = 3, ngram_shared: bool = False,

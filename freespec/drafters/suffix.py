@@ -119,7 +119,7 @@ class SuffixDrafter(Drafter):
 
     name = "suffix"
 
-    def __init__(self, min_match: int = 2, max_depth: int = 16, min_prob: float = 0.1,
+    def __init__(self, min_match: int = 2, max_depth: int = 64, min_prob: float = 0.1,
                  max_occurrences: int = 64, shared_corpus_tokens: int = 0, corpus_prompts: bool = False,
                  corpus: SharedCorpus | None = None):
         super().__init__()
