@@ -49,6 +49,10 @@ class ModelTraits:
     layer_windows: dict[str, int | None]  # layer type -> sliding window (None = full attention)
     per_layer_type_masks: bool  # the model takes {layer_type: mask}
 
+    @property
+    def no_windows(self) -> bool:
+        return all(window is None for window in self.layer_windows.values())
+
     @classmethod
     def of(cls, model) -> "ModelTraits":
         config = model.config
@@ -99,8 +103,11 @@ class SpeculativeDecoder:
         traits = self.traits
         input_ids = torch.tensor([pending + draft.token_ids.tolist()], dtype=torch.long, device=self.device)
         masks = {}
-        position_ids = None
-        for layer_type, window in traits.layer_windows.items():
+        position_ids = np.array([cache_len], np.int64)
+        if draft.num_nodes == 0 and len(pending) == 1 and traits.no_windows:
+            # one query that sees the whole cache: no mask, the host's plain decode path
+            masks = {"full_attention": None}
+        for layer_type, window in traits.layer_windows.items() if not masks else ():
             allowed, position_ids = tree_attention(draft.parents, len(pending), cache_len, window)
             allowed = torch.from_numpy(allowed).to(self.device)[None, None]
             if traits.additive_mask:
@@ -109,7 +116,7 @@ class SpeculativeDecoder:
             else:
                 mask = allowed
             masks[layer_type] = mask
-        attention_mask = masks if traits.per_layer_type_masks else next(iter(masks.values()))
+        attention_mask = masks if traits.per_layer_type_masks and len(masks) > 1 else next(iter(masks.values()))
         q_len = input_ids.shape[1]
         out = self.model(
             input_ids=input_ids,
