@@ -51,7 +51,6 @@ def model():
 
 
 def _exact_distribution(model, prompt):
-    from transformers import GenerationConfig
     from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
                                                         TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 

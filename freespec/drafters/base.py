@@ -53,6 +53,17 @@ def as_token_array(ids, name: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
+def exercise(drafter: "Drafter") -> None:
+    """Run two tiny requests through ``drafter`` (compiles its kernels; see ``warmup``)."""
+    drafter.start("warmup", [1, 2, 3, 1, 2])
+    drafter.propose("warmup", Budget(4, 4))
+    drafter.extend("warmup", [3])
+    drafter.stop("warmup")
+    drafter.start("warmup", [1, 2])
+    drafter.propose("warmup", Budget(4, 4))
+    drafter.stop("warmup")
+
+
 class _Context:
     """A request's tokens so far, amortized O(1) append."""
 

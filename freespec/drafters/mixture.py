@@ -50,7 +50,7 @@ from ..draft import Budget, Draft, merge
 from ..kernels.suffix_automaton import SuffixAutomaton
 from ..kernels.suffix_continuations import continuation_tree
 from ..kernels.suffix_match import advance_match, occurrence_ends
-from .base import Drafter
+from .base import Drafter, exercise
 from .corpus import Corpus
 from .ngram_table import NgramTableDrafter
 from .suffix import SharedCorpus
@@ -453,11 +453,4 @@ class MixtureDrafter(Drafter):
 
     def warmup(self) -> None:
         """Compile the suffix kernels on a tiny request."""
-        drafter = MixtureDrafter(min_match=1, shared_corpus_tokens=64)
-        drafter.start("warmup", [1, 2, 3, 1, 2])
-        drafter.propose("warmup", Budget(4, 4))
-        drafter.extend("warmup", [3])
-        drafter.stop("warmup")
-        drafter.start("warmup", [1, 2])
-        drafter.propose("warmup", Budget(4, 4))
-        drafter.stop("warmup")
+        exercise(MixtureDrafter(min_match=1, shared_corpus_tokens=64))

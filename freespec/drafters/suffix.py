@@ -24,7 +24,7 @@ from ..draft import Budget, Draft, merge
 from ..kernels.suffix_automaton import SuffixAutomaton
 from ..kernels.suffix_continuations import continuation_tree
 from ..kernels.suffix_match import advance_match, occurrence_ends
-from .base import Drafter, as_token_array
+from .base import Drafter, as_token_array, exercise
 
 _RESYNC_TOKENS = 1024  # after the corpus changes, a live request re-matches this many tail tokens
 _LOW_WATER = 0.75  # an eviction frees the corpus down to this fraction, so rebuilds are amortized
@@ -189,11 +189,4 @@ class SuffixDrafter(Drafter):
 
     def warmup(self) -> None:
         """Compile the kernels (cached on disk after the first process) on a tiny request."""
-        drafter = SuffixDrafter(min_match=1, shared_corpus_tokens=64)
-        drafter.start("warmup", [1, 2, 3, 1, 2])
-        drafter.propose("warmup", Budget(4, 4))
-        drafter.extend("warmup", [3])
-        drafter.stop("warmup")
-        drafter.start("warmup", [1, 2])
-        drafter.propose("warmup", Budget(4, 4))
-        drafter.stop("warmup")
+        exercise(SuffixDrafter(min_match=1, shared_corpus_tokens=64))
