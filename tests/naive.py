@@ -68,18 +68,8 @@ def naive_continuation_tree(text, ends, max_depth, num_nodes, min_prob):
     Nodes rank by count (desc), then depth (asc), then first appearance, reading
     the ends in order; the first ``num_nodes`` with ``count / len(ends) >= min_prob`` are kept.
     """
-    first_seen: list[tuple] = []
-    counts: dict[tuple, int] = {}
-    for end in ends:
-        path: tuple = ()
-        for pos in range(end + 1, min(len(text), end + 1 + max_depth)):
-            if text[pos] < 0:
-                break
-            path = path + (text[pos],)
-            if path not in counts:
-                counts[path] = 0
-                first_seen.append(path)
-            counts[path] += 1
+    counts = naive_continuation_counts(text, ends, max_depth)
+    first_seen = list(counts)  # dicts keep insertion order: the order paths first appear
     ranked = sorted(range(len(first_seen)), key=lambda i: (-counts[first_seen[i]], len(first_seen[i]), i))
     index: dict[tuple, int] = {(): -1}
     token_ids, parents, scores = [], [], []
