@@ -66,6 +66,17 @@ class SpecConfig:
             options["adaptive"] = self.adaptive_budget
         return make(self.drafter, **options)
 
+    def step_budget(self, remaining: int):
+        """The draft budget of one step with ``remaining`` tokens left before ``max_length``.
+
+        Every forward commits the accepted nodes plus one bonus token, so a path may
+        hold at most ``remaining - 1`` nodes: ``SpecConfig().step_budget(5) ->
+        Budget(num_nodes=64, max_depth=4)``. The engine and ``freespec replay`` both call this.
+        """
+        from .draft import Budget
+
+        return Budget(num_nodes=self.max_draft_tokens, max_depth=max(0, min(self.max_draft_depth, remaining - 1)))
+
     def replace(self, **overrides) -> "SpecConfig":
         """A copy with ``overrides``; an unknown key raises ``TypeError`` naming it."""
         known = {f.name for f in dataclasses.fields(self)}

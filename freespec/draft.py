@@ -24,6 +24,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from .tree import node_depths
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -107,10 +109,7 @@ class Draft:
 
     def depths(self) -> np.ndarray:
         """Depth of each node, 1 for children of the root: ``[-1, 0, 0, 1] -> [1, 2, 2, 3]``."""
-        depths = np.zeros(self.num_nodes, np.int64)
-        for i, parent in enumerate(self.parents):
-            depths[i] = 1 if parent < 0 else depths[parent] + 1
-        return depths
+        return node_depths(self.parents)
 
     def node_source(self, i: int) -> str:
         return self.sources[i] if self.sources else ""

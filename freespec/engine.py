@@ -78,16 +78,6 @@ class ModelTraits:
         return cls(cache_kwarg, impl == "eager", model.dtype, windows, per_type)
 
 
-def step_budget(config: SpecConfig, remaining: int) -> Budget:
-    """The draft budget of one step with ``remaining`` tokens left before ``max_length``.
-
-    Every forward commits the accepted nodes plus one bonus token, so a path may
-    hold at most ``remaining - 1`` nodes: ``step_budget(SpecConfig(), 5) ->
-    Budget(num_nodes=64, max_depth=4)``. ``freespec replay`` calls this too.
-    """
-    return Budget(num_nodes=config.max_draft_tokens, max_depth=max(0, min(config.max_draft_depth, remaining - 1)))
-
-
 def _make_cache():
     from transformers import DynamicCache
 
@@ -187,7 +177,7 @@ class SpeculativeDecoder:
             stats.draft_s += time.perf_counter() - t0
             done = len(sequence) >= max_length
             while not done:
-                budget = step_budget(config, max_length - len(sequence))
+                budget = config.step_budget(max_length - len(sequence))
                 t0 = time.perf_counter()
                 draft = drafter.propose(request_id, budget) if budget.max_depth > 0 else Draft.empty()
                 if draft.num_nodes:

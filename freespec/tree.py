@@ -21,25 +21,64 @@ from __future__ import annotations
 
 import numpy as np
 
-
-def node_depths(parents: np.ndarray) -> np.ndarray:
-    """Depth per node, 1 for children of the root: ``[-1, 0, 1, -1] -> [1, 2, 3, 1]``."""
-    parents = np.asarray(parents)
-    depths = np.empty(parents.shape[0], np.int64)  # [n]
-    for i, parent in enumerate(parents.tolist()):
-        depths[i] = 1 if parent < 0 else depths[parent] + 1
-    return depths
+from .kernels.tree_walk import ancestor_matrix_kernel, bfs_order_kernel, node_depths_kernel
 
 
-def ancestor_matrix(parents: np.ndarray) -> np.ndarray:
-    """``out[i, j]`` is True iff node ``j`` is ``i`` or an ancestor of ``i``. [n, n] bool."""
-    n = len(parents)
-    out = np.zeros((n, n), bool)
-    for i, parent in enumerate(np.asarray(parents).tolist()):
-        if parent >= 0:
-            out[i] = out[parent]
-        out[i, i] = True
+def check_parents(parents) -> np.ndarray:
+    """``parents`` as a contiguous int32 array; ``ValueError`` unless ``-1 <= parents[i] < i``."""
+    parents = np.ascontiguousarray(parents, dtype=np.int32).reshape(-1)
+    if parents.size and (np.any(parents < -1) or np.any(parents >= np.arange(parents.shape[0]))):
+        raise ValueError(f"parents must satisfy -1 <= parents[i] < i, got {parents.tolist()}")
+    return parents
+
+
+def node_depths(parents) -> np.ndarray:
+    """Depth per node, 1 for children of the root: ``[-1, 0, 1, -1] -> [1, 2, 3, 1]``. [n] int64."""
+    parents = check_parents(parents)
+    out = np.empty(parents.shape[0], np.int64)
+    node_depths_kernel(parents, out)
     return out
+
+
+def ancestor_matrix(parents) -> np.ndarray:
+    """``out[i, j]`` is True iff node ``j`` is ``i`` or an ancestor of ``i``. [n, n] bool."""
+    parents = check_parents(parents)
+    out = np.zeros((parents.shape[0], parents.shape[0]), bool)
+    ancestor_matrix_kernel(parents, out)
+    return out
+
+
+def bfs_order(parents) -> np.ndarray:
+    """Breadth-first node order: ``bfs_order([-1, -1, 1, 0]) -> [0, 1, 3, 2]``. [n] int64."""
+    parents = check_parents(parents)
+    out = np.empty(parents.shape[0], np.int64)
+    bfs_order_kernel(parents, out)
+    return out
+
+
+def topological_order(parents) -> np.ndarray:
+    """Breadth-first order of a parent array in ANY node order (``-1`` = root child).
+
+    For trees whose parents may come after their children (another project's
+    drafts): ``topological_order([1, -1]) -> [1, 0]``. ``ValueError`` unless
+    the array is one tree. [n] int64.
+    """
+    parents = np.asarray(parents, np.int64).reshape(-1)
+    n = parents.shape[0]
+    if n and (np.any(parents < -1) or np.any(parents >= n) or np.any(parents == np.arange(n))):
+        raise ValueError(f"parents out of range: {parents.tolist()}")
+    if np.all(parents < np.arange(n)):
+        return np.arange(n)
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents.tolist()):
+        children.setdefault(parent, []).append(i)
+    order, head = list(children.get(-1, [])), 0
+    while head < len(order):
+        order.extend(children.get(order[head], []))
+        head += 1
+    if len(order) != n:
+        raise ValueError(f"parents do not form a tree: {parents.tolist()}")
+    return np.asarray(order, np.int64)
 
 
 def tree_attention(
@@ -71,7 +110,7 @@ def tree_attention(
     return mask, position_ids
 
 
-def path_to(parents: np.ndarray, node: int) -> list[int]:
+def path_to(parents, node: int) -> list[int]:
     """Nodes from the root's child down to ``node``: ``path_to([-1, 0, 0, 2], 3) -> [0, 2, 3]``."""
     path = []
     while node >= 0:
@@ -80,9 +119,28 @@ def path_to(parents: np.ndarray, node: int) -> list[int]:
     return path[::-1]
 
 
-def children_by_token(parents: np.ndarray, token_ids: np.ndarray) -> list[dict[int, int]]:
-    """``out[i + 1]`` maps token -> child node of node ``i``; ``out[0]`` is the root's."""
+def children_by_token(parents, token_ids) -> list[dict[int, int]]:
+    """``out[i + 1]`` maps token -> child node of node ``i``; ``out[0]`` is the root's.
+
+    ``children_by_token([-1, 0, 0], [5, 6, 8]) -> [{5: 0}, {6: 1, 8: 2}, {}, {}]``.
+    """
     out: list[dict[int, int]] = [{} for _ in range(len(parents) + 1)]
     for i, (parent, token) in enumerate(zip(np.asarray(parents).tolist(), np.asarray(token_ids).tolist())):
         out[parent + 1][token] = i
     return out
+
+
+def follow(parents, token_ids, tokens) -> list[int]:
+    """Nodes of the longest root path that spells a prefix of ``tokens``.
+
+    ``follow([-1, 0, 0, 1], [5, 6, 8, 7], [5, 8, 9]) -> [0, 2]``: the path a
+    greedy verifier accepts when ``tokens`` is what the target would decode.
+    """
+    children = children_by_token(parents, token_ids)
+    path: list[int] = []
+    for token in np.asarray(tokens).tolist():
+        child = children[path[-1] + 1 if path else 0].get(token)
+        if child is None:
+            break
+        path.append(child)
+    return path

@@ -83,3 +83,41 @@ def naive_continuation_tree(text, ends, max_depth, num_nodes, min_prob):
         parents.append(index[path[:-1]])
         scores.append(score)
     return token_ids, parents, scores
+
+
+# =====================================================================================
+# freespec.kernels.tree_walk (via freespec.tree)
+# =====================================================================================
+
+
+def naive_depths(parents) -> list[int]:
+    """Twin of ``node_depths``: count the steps up to the root."""
+    depths = []
+    for node in range(len(parents)):
+        depth = 0
+        while node >= 0:
+            depth, node = depth + 1, parents[node]
+        depths.append(depth)
+    return depths
+
+
+def naive_ancestors(parents) -> list[list[bool]]:
+    """Twin of ``ancestor_matrix``: walk up from each node."""
+    n = len(parents)
+    out = [[False] * n for _ in range(n)]
+    for i in range(n):
+        node = i
+        while node >= 0:
+            out[i][node] = True
+            node = parents[node]
+    return out
+
+
+def naive_bfs(parents) -> list[int]:
+    """Twin of ``bfs_order`` and ``topological_order``: a queue, children in index order."""
+    order, queue = [], [i for i, p in enumerate(parents) if p == -1]
+    while queue:
+        node = queue.pop(0)
+        order.append(node)
+        queue += [i for i, p in enumerate(parents) if p == node]
+    return order

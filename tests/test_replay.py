@@ -187,14 +187,46 @@ def test_replay_cli(tmp_path, capsys):
     assert main(["replay", str(path), "--drafters", "no_such_drafter"]) == 2
 
 
-def test_budget_is_the_engines():
-    budgets = []
+def test_budget_is_the_engines(tiny_llama):
+    """generate() and replay ask the drafter with the same budgets, step for step."""
+    import torch
+
+    import freespec
 
     class Spy(Drafter):
-        def _propose(self, request_id, budget):
-            budgets.append(budget)
-            return Draft.empty()
+        def __init__(self, reference):
+            super().__init__()
+            self.oracle = OracleDrafter(reference, vocab_size=128)
+            self.budgets = []
 
-    replay_one(Spy(), 0, [1], [2, 3, 4], 3, SpecConfig(max_draft_tokens=5, max_draft_depth=12))
-    # remaining 3 -> depth 2, remaining 2 -> depth 1, remaining 1 -> no proposal
-    assert budgets == [Budget(5, 2), Budget(5, 1)]
+        def _on_start(self, request_id):
+            self.oracle.start(request_id, self.context(request_id))
+
+        def _on_extend(self, request_id, ids):
+            self.oracle.extend(request_id, ids)
+
+        def _on_stop(self, request_id):
+            self.oracle.stop(request_id)
+
+        def _propose(self, request_id, budget):
+            self.budgets.append(budget)  # accept 2 tokens per step, whatever the budget
+            return self.oracle.propose(request_id, Budget(min(2, budget.num_nodes), min(2, budget.max_depth)))
+
+    model = tiny_llama
+    prompt = [1, 5, 9, 3]
+    config = SpecConfig(max_draft_tokens=5, max_draft_depth=4)
+    with torch.no_grad():
+        reference = model.generate(torch.tensor([prompt]), max_new_tokens=9, do_sample=False)[0].tolist()
+    live = Spy(reference)
+    freespec.patch(model, config.replace(drafter=live))
+    try:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=9, do_sample=False)[0].tolist()
+    finally:
+        freespec.unpatch(model)
+    assert out == reference
+    replayed = Spy(reference)
+    replay_one(replayed, 0, prompt, reference[len(prompt):], 9, config)
+    assert replayed.budgets == live.budgets
+    # 9 tokens, 3 per step: remaining 9 -> depth 4, 6 -> 4, 3 -> 2
+    assert live.budgets == [Budget(5, 4), Budget(5, 4), Budget(5, 2)]

@@ -9,7 +9,10 @@ from hypothesis import given, settings, strategies as st
 from freespec.draft import Draft
 from freespec.engine import ModelTraits, SpeculativeDecoder, _make_cache
 from freespec.stats import SpecStats
-from freespec.tree import ancestor_matrix, node_depths, path_to, tree_attention
+from freespec.tree import (ancestor_matrix, bfs_order, follow, node_depths, path_to, topological_order,
+                           tree_attention)
+
+from naive import naive_ancestors, naive_bfs, naive_depths
 
 
 @st.composite
@@ -44,6 +47,42 @@ def test_sliding_window_masks_far_keys(parents, window):
     full, _ = tree_attention(parents, 2, 7)
     key_pos = np.concatenate([np.arange(7), positions])
     assert np.array_equal(mask, full & (key_pos[None] > positions[:, None] - window))
+
+
+@given(parent_arrays(max_nodes=40))
+def test_tree_walks_match_their_twins(parents):
+    assert node_depths(parents).tolist() == naive_depths(parents.tolist())
+    assert ancestor_matrix(parents).tolist() == naive_ancestors(parents.tolist())
+    assert bfs_order(parents).tolist() == naive_bfs(parents.tolist())
+    assert topological_order(parents).tolist() == list(range(len(parents)))
+
+
+@given(parent_arrays(max_nodes=12), st.randoms(use_true_random=False))
+def test_topological_order_of_shuffled_trees(parents, rng):
+    n = len(parents)
+    perm = list(range(n))
+    rng.shuffle(perm)  # node i of the tree is node new[i] of the shuffled array
+    new = {old: i for i, old in enumerate(perm)}
+    shuffled = [-1 if parents[old] < 0 else new[int(parents[old])] for old in perm]
+    order = topological_order(shuffled).tolist()
+    already_topological = all(p < i for i, p in enumerate(shuffled))
+    assert order == (list(range(n)) if already_topological else naive_bfs(shuffled))
+    assert sorted(order) == list(range(n))
+    position = {node: k for k, node in enumerate(order)}
+    assert all(p < 0 or position[p] < position[i] for i, p in enumerate(shuffled))
+
+
+def test_tree_walks_examples_and_bad_input():
+    assert bfs_order([-1, -1, 1, 0]).tolist() == [0, 1, 3, 2]
+    assert topological_order([1, -1]).tolist() == [1, 0]
+    assert follow([-1, 0, 0, 1], [5, 6, 8, 7], [5, 8, 9]) == [0, 2]
+    assert follow([-1, 0, 0, 1], [5, 6, 8, 7], [5, 6, 7, 1]) == [0, 1, 3]
+    assert follow([], [], [5]) == []
+    for bad in ([0], [-2], [-1, 1]):
+        with pytest.raises(ValueError, match="parents"):
+            node_depths(bad)
+    with pytest.raises(ValueError, match="tree"):
+        topological_order([1, 0])
 
 
 def test_ancestor_matrix_example():

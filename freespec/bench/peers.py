@@ -24,6 +24,7 @@ import numpy as np
 
 from ..draft import Budget, Draft
 from ..drafters.base import Drafter
+from ..tree import topological_order
 
 INSTALL_HINT = ("arctic-inference is not installed: pip install 'freespec[peers]' (arctic-inference==0.3.0 builds "
                 "from source; see freespec/bench/README.md)")
@@ -35,15 +36,6 @@ def arctic_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def arctic_version() -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version("arctic-inference")
-    except Exception:  # noqa: BLE001 - not installed, or installed without metadata
-        return None
 
 
 def arctic_to_draft(token_ids: Sequence[int], parents: Sequence[int], probs: Sequence[float] | None,
@@ -59,33 +51,16 @@ def arctic_to_draft(token_ids: Sequence[int], parents: Sequence[int], probs: Seq
     if n == 0:
         return Draft.empty()
     parents_arr = np.asarray(parents, np.int64)
-    if np.any(parents_arr < -1) or np.any(parents_arr >= n) or np.any(parents_arr == np.arange(n)):
-        raise ValueError(f"arctic draft parents out of range: {list(parents)}")
-    order = _topological_order(parents_arr)
+    try:
+        order = topological_order(parents_arr)
+    except ValueError as exc:
+        raise ValueError(f"arctic draft: {exc}") from None
     new_index = np.empty(n, np.int64)
     new_index[order] = np.arange(n)
     new_parents = np.where(parents_arr[order] < 0, -1, new_index[np.maximum(parents_arr[order], 0)])
     scores = None if probs is None else np.asarray(probs, np.float32)[order]
     draft = Draft(np.asarray(token_ids, np.int64)[order], new_parents.astype(np.int32), scores, (source,) * n)
     return draft.validate()
-
-
-def _topological_order(parents: np.ndarray) -> np.ndarray:
-    """Node indices, parents before children, keeping the original order where it already is."""
-    n = parents.shape[0]
-    if np.all(parents < np.arange(n)):
-        return np.arange(n)
-    children: dict[int, list[int]] = {}
-    for i, parent in enumerate(parents.tolist()):
-        children.setdefault(parent, []).append(i)
-    order, frontier = [], list(children.get(-1, []))
-    while frontier:
-        node = frontier.pop(0)
-        order.append(node)
-        frontier.extend(children.get(node, []))
-    if len(order) != n:
-        raise ValueError(f"arctic draft parents do not form a tree: {parents.tolist()}")
-    return np.asarray(order, np.int64)
 
 
 class ArcticSuffixDrafter(Drafter):

@@ -32,7 +32,8 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from ..config import SpecConfig
-from ..draft import Budget, Draft
+from ..draft import Draft
+from ..tree import follow
 
 
 def load_traces(path: str | Path) -> list[dict]:
@@ -68,21 +69,11 @@ def check_trace(trace: dict) -> None:
 
 
 def accepted_path(draft: Draft, truth: np.ndarray) -> list[int]:
-    """Nodes of the longest root path whose tokens are a prefix of ``truth``.
+    """Nodes of the longest root path whose tokens are a prefix of ``truth`` (``tree.follow``).
 
     ``token_ids=[5, 6, 8, 7], parents=[-1, 0, 0, 1]``, truth ``[5, 8, 9]`` -> ``[0, 2]``.
     """
-    children: dict[tuple[int, int], int] = {}
-    for i, (parent, token) in enumerate(zip(draft.parents.tolist(), draft.token_ids.tolist())):
-        children[(parent, token)] = i
-    path: list[int] = []
-    node = -1
-    for token in truth.tolist():
-        node = children.get((node, token), -2)
-        if node == -2:
-            break
-        path.append(node)
-    return path
+    return follow(draft.parents, draft.token_ids, truth)
 
 
 def replay_one(drafter, request_id, prompt_ids: Sequence[int], output_ids: Sequence[int], max_new_tokens: int,
@@ -97,8 +88,7 @@ def replay_one(drafter, request_id, prompt_ids: Sequence[int], output_ids: Seque
         generated = 0
         while generated < output.shape[0]:
             remaining = max_new_tokens - generated
-            budget = Budget(num_nodes=config.max_draft_tokens, max_depth=max(0, min(config.max_draft_depth,
-                                                                                      remaining - 1)))
+            budget = config.step_budget(remaining)
             draft = drafter.propose(request_id, budget) if budget.max_depth > 0 else Draft.empty()
             if draft.num_nodes:
                 draft.validate(budget)

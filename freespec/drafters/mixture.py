@@ -349,10 +349,9 @@ class MixtureDrafter(Drafter):
         committed = committed.tolist()
         self.calibrator.tick()
         accepted = np.zeros(draft.num_nodes, bool)
-        depths = np.zeros(draft.num_nodes, np.int64)
+        depths = draft.depths().tolist()
         for i, (parent, token) in enumerate(zip(draft.parents.tolist(), draft.token_ids.tolist())):
-            depth = 1 if parent < 0 else depths[parent] + 1
-            depths[i] = depth
+            depth = depths[i]
             if (parent >= 0 and not accepted[parent]) or depth > len(committed):
                 continue
             accepted[i] = committed[depth - 1] == token
@@ -395,10 +394,9 @@ class MixtureDrafter(Drafter):
         raw = np.ones(draft.num_nodes, np.float64) if draft.scores is None else draft.scores.astype(np.float64)
         path_probs = np.empty(draft.num_nodes, np.float64)
         conditionals = np.empty(draft.num_nodes, np.float64)
-        depths = np.zeros(draft.num_nodes, np.int64)
+        depths = draft.depths()
         kinds = []
         for i, parent in enumerate(draft.parents.tolist()):
-            depths[i] = 1 if parent < 0 else depths[parent] + 1
             parent_raw = 1.0 if parent < 0 else raw[parent]
             frequency = raw[i] / parent_raw if parent_raw > 0 else 0.0
             kind = self.calibrator.kind(source, match_len, int(depths[i]), frequency)

@@ -76,20 +76,14 @@ class WrongDrafter(_ReferenceDrafter):
         truth = self._truth(request_id, 1)
         avoid = int(truth[0]) if truth is not None and truth.size else -1
         first = [(avoid + 1 + j) % self.vocab_size for j in range(self.branching)]
-        token_ids, parents = [], []
-        for j, token in enumerate(first[: budget.num_nodes]):
-            token_ids.append(token)
-            parents.append(-1)
+        token_ids = first[: budget.num_nodes]
+        parents, depths = [-1] * len(token_ids), [1] * len(token_ids)
         # deeper nodes: any tokens; they are never reached since their roots are wrong
         node = 0
         while len(token_ids) < budget.num_nodes and node < len(token_ids):
-            depth = 1
-            p = parents[node]
-            while p >= 0:
-                depth += 1
-                p = parents[p]
-            if depth < budget.max_depth:
+            if depths[node] < budget.max_depth:
                 token_ids.append((token_ids[node] * 7 + 3) % self.vocab_size)
                 parents.append(node)
+                depths.append(depths[node] + 1)
             node += 1
         return Draft(np.asarray(token_ids), np.asarray(parents), sources=(self.name,) * len(token_ids))

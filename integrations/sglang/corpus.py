@@ -40,7 +40,6 @@ token 0 under node 0; flat int64 arrays ``[bs * D]`` and ``[bs * D * D]``.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Sequence
 
@@ -48,6 +47,7 @@ import numpy as np
 
 from freespec import drafters
 from freespec.draft import Budget, Draft
+from freespec.tree import ancestor_matrix, bfs_order
 
 from . import options as plugin_options
 
@@ -80,26 +80,15 @@ def to_sglang_tree(
     token_ids[:] = 0
     mask[:] = 0
 
-    parents = draft.parents.tolist()
-    children: list[list[int]] = [[] for _ in range(draft.num_nodes + 1)]  # slot 0: the root's
-    for node, parent in enumerate(parents):
-        children[parent + 1].append(node)
-    bfs_order: list[int] = []
-    queue = deque(children[0])
-    while queue:
-        node = queue.popleft()
-        bfs_order.append(node)
-        queue.extend(children[node + 1])
-
-    slot_of = {-1: 0}  # draft node -> tree slot; the root is slot 0
+    order = bfs_order(draft.parents)  # [n] draft node of each slot after the root
+    num_used = order.shape[0] + 1
     token_ids[0] = root_token_id
+    token_ids[1:num_used] = draft.token_ids[order]
+    ancestors = ancestor_matrix(draft.parents)  # [n, n] in draft order
     mask[0, 0] = 1
-    for slot, node in enumerate(bfs_order, start=1):
-        slot_of[node] = slot
-        token_ids[slot] = draft.token_ids[node]
-        mask[slot] = mask[slot_of[parents[node]]]
-        mask[slot, slot] = 1
-    for slot in range(len(bfs_order) + 1, num_draft_tokens):  # padding: token 0 under the root
+    mask[1:num_used, 0] = 1
+    mask[1:num_used, 1:num_used] = ancestors[np.ix_(order, order)]
+    for slot in range(num_used, num_draft_tokens):  # padding: token 0 under the root
         mask[slot, 0] = 1
         mask[slot, slot] = 1
     return token_ids, mask
