@@ -66,7 +66,7 @@ def main():
         totals["plain"][0] += new
         totals["freespec"][0] += fast.shape[1] - inputs["input_ids"].shape[1]
         print(f"Q: {question}\n   retrieved {chosen}; identical: {fast.tolist() == plain.tolist()}; "
-              f"tau {stats.mean_accepted:.2f}")
+              f"tau {stats.tau:.2f}")
     for name, (tokens, seconds) in totals.items():
         print(f"{name:9s} {tokens / seconds:6.1f} tokens/s")
 

@@ -69,7 +69,7 @@ def run_demo(model_name: str = "smollm2-135m", prompt: str = DEFAULT_PROMPT, max
         "identical": plain.tolist() == spec.tolist(),
         "plain_tokens_per_s": plain_new / plain_s,
         "freespec_tokens_per_s": spec_new / spec_s,
-        "tau": stats.mean_accepted,
+        "tau": stats.tau,
         "stats": stats.summary(),
     }
     bar = "-" * 72

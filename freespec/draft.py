@@ -11,10 +11,21 @@ merge into ``token_ids=[5, 6, 8, 7]``, ``parents=[-1, 0, 0, 1]``::
     root ── 5 ─┬─ 6 ── 7
                └─ 8
 
-A chain is ``parents=[-1, 0, 1, ...]``. ``scores[i]`` is the drafter's
+A chain is ``parents=[-1, 0, 1, ...]``. ``confidence[i]`` is the drafter's
 estimate that node ``i`` is accepted (monotone: a child never scores above
 its parent); ``sources[i]`` names the drafter that proposed node ``i`` so
 the engine can count proposed/accepted tokens per drafter.
+
+Not-candidate nodes (``is_candidate[i] = False``) are fed to the verify
+forward and attended like any node (tree mask, position by depth) but are
+never accepted, even when their token is the target's; their logits go back
+to the drafter through ``observe`` and their KV entries are dropped. A
+lookahead (Jacobi) window rides in the forward this way. A candidate never
+hangs under a not-candidate node (it could never be reached), and sibling
+tokens must be distinct among candidates only::
+
+    root ── 5 ─┬─ 6            candidates: 5, 6
+               └─ [9] ── [4]   not candidates: 9, 4 (fed, never accepted)
 """
 
 from __future__ import annotations
@@ -48,17 +59,21 @@ class Budget:
 class Draft:
     token_ids: np.ndarray  # [n] int64
     parents: np.ndarray  # [n] int32, -1 = child of the root
-    scores: np.ndarray | None = None  # [n] float32, or None for "unknown"
+    confidence: np.ndarray | None = None  # [n] float32, or None for "unknown"
     sources: tuple[str, ...] = field(default=())  # [n] drafter name per node, or () for "unnamed"
+    is_candidate: np.ndarray | None = None  # [n] bool, False = fed but never accepted; None = all candidates
 
     def __post_init__(self):
         token_ids = np.ascontiguousarray(self.token_ids, dtype=np.int64).reshape(-1)
         parents = np.ascontiguousarray(self.parents, dtype=np.int32).reshape(-1)
         object.__setattr__(self, "token_ids", token_ids)
         object.__setattr__(self, "parents", parents)
-        if self.scores is not None:
-            object.__setattr__(self, "scores", np.ascontiguousarray(self.scores, dtype=np.float32).reshape(-1))
+        if self.confidence is not None:
+            object.__setattr__(self, "confidence", np.ascontiguousarray(self.confidence, np.float32).reshape(-1))
         object.__setattr__(self, "sources", tuple(self.sources))
+        if self.is_candidate is not None:
+            is_candidate = np.ascontiguousarray(self.is_candidate, dtype=bool).reshape(-1)
+            object.__setattr__(self, "is_candidate", None if is_candidate.all() else is_candidate)
 
     # ------------------------------------------------------------------ builders
     @classmethod
@@ -69,8 +84,8 @@ class Draft:
     def chain(cls, token_ids: Sequence[int], source: str = "", score: float | None = None) -> "Draft":
         """``chain([4, 9, 2]) -> token_ids=[4, 9, 2], parents=[-1, 0, 1]``."""
         n = len(token_ids)
-        scores = None if score is None else np.full(n, score, np.float32)
-        return cls(np.asarray(token_ids, np.int64), np.arange(-1, n - 1, dtype=np.int32), scores,
+        confidence = None if score is None else np.full(n, score, np.float32)
+        return cls(np.asarray(token_ids, np.int64), np.arange(-1, n - 1, dtype=np.int32), confidence,
                    (source,) * n if source else ())
 
     @classmethod
@@ -86,7 +101,7 @@ class Draft:
 
         A node's score is the weight of the sequences through it over the total
         weight, an estimate of the chance its path is the true continuation.
-        ``from_sequences([[5, 6, 7], [5, 8]], weights=[3, 1])`` scores
+        ``from_sequences([[5, 6, 7], [5, 8]], weights=[3, 1])`` gives confidence
         ``5 -> 1.0, 6 -> 0.75, 7 -> 0.75, 8 -> 0.25``; with ``num_nodes=3``
         node ``8`` is dropped.
         """
@@ -114,23 +129,40 @@ class Draft:
     def node_source(self, i: int) -> str:
         return self.sources[i] if self.sources else ""
 
+    @property
+    def num_candidates(self) -> int:
+        return self.num_nodes if self.is_candidate is None else int(self.is_candidate.sum())
+
+    def candidate_mask(self) -> np.ndarray:
+        """[n] bool, True for nodes the verifier may accept."""
+        return np.ones(self.num_nodes, bool) if self.is_candidate is None else self.is_candidate
+
+    def candidates(self) -> "Draft":
+        """The tree without its not-candidate nodes (for hosts that verify candidates only)."""
+        return self if self.is_candidate is None else self.select(np.nonzero(self.is_candidate)[0])
+
     def validate(self, budget: Budget | None = None) -> "Draft":
         """Raise ``ValueError`` unless this is a well-formed tree (within ``budget``)."""
         n = self.num_nodes
         if self.parents.shape[0] != n:
             raise ValueError(f"Draft has {n} token_ids but {self.parents.shape[0]} parents")
-        if self.scores is not None and self.scores.shape[0] != n:
-            raise ValueError(f"Draft has {n} nodes but {self.scores.shape[0]} scores")
+        if self.confidence is not None and self.confidence.shape[0] != n:
+            raise ValueError(f"Draft has {n} nodes but {self.confidence.shape[0]} confidence values")
         if self.sources and len(self.sources) != n:
             raise ValueError(f"Draft has {n} nodes but {len(self.sources)} sources")
+        if self.is_candidate is not None and self.is_candidate.shape[0] != n:
+            raise ValueError(f"Draft has {n} nodes but {self.is_candidate.shape[0]} is_candidate flags")
         if n and (np.any(self.parents < -1) or np.any(self.parents >= np.arange(n))):
             raise ValueError(f"Draft parents must satisfy -1 <= parents[i] < i, got {self.parents.tolist()}")
         if n and np.any(self.token_ids < 0):
             raise ValueError("Draft token_ids must be non-negative")
+        is_candidate = self.candidate_mask()
+        if n and np.any(is_candidate & (self.parents >= 0) & ~is_candidate[np.maximum(self.parents, 0)]):
+            raise ValueError("Draft has a candidate node under a not-candidate node (it could never be accepted)")
         seen = set()
-        for parent, token in zip(self.parents.tolist(), self.token_ids.tolist()):
+        for parent, token in zip(self.parents[is_candidate].tolist(), self.token_ids[is_candidate].tolist()):
             if (parent, token) in seen:
-                raise ValueError(f"Draft has two children of node {parent} with token {token}")
+                raise ValueError(f"Draft has two candidate children of node {parent} with token {token}")
             seen.add((parent, token))
         if budget is not None:
             if n > budget.num_nodes:
@@ -143,20 +175,20 @@ class Draft:
     def prune(self, num_nodes: int, max_depth: int | None = None) -> "Draft":
         """Keep at most ``num_nodes`` nodes no deeper than ``max_depth``.
 
-        With scores, the best-scoring nodes are kept (a node is kept only with its
-        parent); without, the first nodes in order.
+        With confidence values, the most confident nodes are kept (a node is kept
+        only with its parent); without, the first nodes in order.
         """
         n = self.num_nodes
         keep = np.ones(n, bool)
         if max_depth is not None:
             keep &= self.depths() <= max_depth
         if keep.sum() > num_nodes:
-            if self.scores is None:
+            if self.confidence is None:
                 idx = np.nonzero(keep)[0][:num_nodes]
                 keep[:] = False
                 keep[idx] = True
             else:
-                order = sorted(np.nonzero(keep)[0].tolist(), key=lambda i: (-float(self.scores[i]), i))
+                order = sorted(np.nonzero(keep)[0].tolist(), key=lambda i: (-float(self.confidence[i]), i))
                 chosen = np.zeros(n, bool)
                 count = 0
                 for i in order:
@@ -181,8 +213,9 @@ class Draft:
         return Draft(
             self.token_ids[nodes],
             parents.astype(np.int32),
-            None if self.scores is None else self.scores[nodes],
+            None if self.confidence is None else self.confidence[nodes],
             tuple(self.sources[i] for i in nodes.tolist()) if self.sources else (),
+            None if self.is_candidate is None else self.is_candidate[nodes],
         )
 
     def paths(self) -> list[list[int]]:
@@ -204,40 +237,42 @@ def merge(drafts: Sequence[Draft], num_nodes: int | None = None) -> Draft:
     """Merge drafts into one deduplicated tree.
 
     Paths shared by several drafts become one path; a shared node keeps the
-    highest score and the source of the draft that proposed it first.
+    highest confidence and the source of the draft that proposed it first.
+    Candidate and not-candidate nodes are never merged into each other.
     ``merge([chain([1, 2]), chain([1, 3])]) -> token_ids=[1, 2, 3], parents=[-1, 0, 0]``.
     """
     token_ids: list[int] = []
     parents: list[int] = []
-    scores: list[float] = []
+    confidence: list[float] = []
     sources: list[str] = []
-    index: dict[tuple[int, int], int] = {}
+    is_candidate: list[bool] = []
+    index: dict[tuple[int, int, bool], int] = {}
     for draft in drafts:
         local = np.empty(draft.num_nodes, np.int64)
+        flags = draft.candidate_mask().tolist()
         for i in range(draft.num_nodes):
             parent = int(draft.parents[i])
             merged_parent = -1 if parent < 0 else int(local[parent])
-            key = (merged_parent, int(draft.token_ids[i]))
-            score = 1.0 if draft.scores is None else float(draft.scores[i])
+            key = (merged_parent, int(draft.token_ids[i]), flags[i])
+            value = 1.0 if draft.confidence is None else float(draft.confidence[i])
             if key in index:
                 j = index[key]
-                scores[j] = max(scores[j], score)
+                confidence[j] = max(confidence[j], value)
             else:
                 j = len(token_ids)
                 index[key] = j
                 token_ids.append(key[1])
                 parents.append(merged_parent)
-                scores.append(score)
+                confidence.append(value)
                 sources.append(draft.node_source(i))
+                is_candidate.append(flags[i])
             local[i] = j
-    merged = Draft(np.asarray(token_ids, np.int64), np.asarray(parents, np.int32),
-                   np.asarray(scores, np.float32), tuple(sources) if any(sources) else ())
-    # max() of scores can break monotonicity across merged drafts: restore it
-    fixed = merged.scores.copy()
-    for i in range(merged.num_nodes):
-        if merged.parents[i] >= 0:
-            fixed[i] = min(fixed[i], fixed[merged.parents[i]])
-    merged = Draft(merged.token_ids, merged.parents, fixed, merged.sources)
+    fixed = np.asarray(confidence, np.float32)
+    for i, parent in enumerate(parents):  # max() across merged drafts can break monotonicity: restore it
+        if parent >= 0:
+            fixed[i] = min(fixed[i], fixed[parent])
+    merged = Draft(np.asarray(token_ids, np.int64), np.asarray(parents, np.int32), fixed,
+                   tuple(sources) if any(sources) else (), np.asarray(is_candidate, bool))
     return merged if num_nodes is None else merged.prune(num_nodes)
 
 
@@ -288,5 +323,5 @@ class _Trie:
             new_index[node] = i
         token_ids = np.asarray([self.token[n] for n in chosen], np.int64)
         parents = np.asarray([new_index[self.parent[n]] for n in chosen], np.int32)
-        scores = np.asarray([self.weight[n] / total for n in chosen], np.float32)
-        return Draft(token_ids, parents, scores, (source,) * len(chosen) if source else ())
+        confidence = np.asarray([self.weight[n] / total for n in chosen], np.float32)
+        return Draft(token_ids, parents, confidence, (source,) * len(chosen) if source else ())

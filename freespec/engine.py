@@ -1,4 +1,4 @@
-"""The decode loop: prefill, draft, one tree forward, verify, compact the KV cache.
+"""The decode loop: propose, forward, accept, commit, until a stopping criterion says stop.
 
 The engine owns the model call, the KV cache and the position. Every forward
 feeds the *pending* tokens (committed, not yet cached: the prompt at prefill,
@@ -10,9 +10,15 @@ After verification the cache keeps the pending tokens and the accepted nodes
     cache [c0..cL) + pending [p] + tree [a b c d]   accepted a, c; bonus y
     -> cache [c0..cL, p, a, c]                         pending [y]
 
-Hooks for drafters that need the model: ``Drafter.observe`` receives the
-target's top-k at every verified node (``observe_top_k``), and
-``Drafter.on_forward`` the size and time of every forward (cost model).
+One step, as ``SpeculativeDecoder.generate`` runs it::
+
+    draft  = propose(state)               # drafter -> Draft within the step's budget
+    logits = forward(state, draft)        # tree_forward: mask + positions + one model call
+    accept = accept(state, draft, logits) # verify.accept_tree on the processed scores
+    commit(state, draft, logits, accept)  # compact_cache, stopping criteria, streamer, drafter
+
+Drafter hooks: ``on_forward`` gets every forward's ``ForwardReport``;
+``observe`` the target's top-k at every fed node (``observe_top_k``).
 """
 
 from __future__ import annotations
@@ -20,17 +26,17 @@ from __future__ import annotations
 import inspect
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from .config import SpecConfig
-from .draft import Budget, Draft
-from .drafters.base import VerifyOutput
+from .draft import Draft
+from .drafters.base import ForwardReport, VerifyOutput
 from .stats import SpecStats
 from .tree import tree_attention
-from .verify import accept_tree
+from .verify import Acceptance, accept_tree
 
 _request_ids = itertools.count()
 
@@ -78,16 +84,99 @@ class ModelTraits:
         return cls(cache_kwarg, impl == "eager", model.dtype, windows, per_type)
 
 
-def _make_cache():
+def make_cache():
+    """An empty cache whose every layer keeps its full history.
+
+    Sliding windows are applied by the mask, so rejected draft nodes can be
+    dropped without a window having pushed out a token that is still live.
+    """
     from transformers import DynamicCache
 
-    # no config: every layer keeps its full history (sliding windows are applied
-    # by the mask), so rejected draft nodes can be dropped without losing tokens
     return DynamicCache()
 
 
+def attention_inputs(traits: ModelTraits, parents: np.ndarray, num_pending: int, cache_len: int, device):
+    """(attention_mask for the host model, position_ids [1, Q]) of one tree forward.
+
+    The mask is a dict ``{layer_type: [1, 1, Q, cache_len + Q]}`` for models with
+    several layer types (Gemma 3), else one tensor; boolean for sdpa, additive
+    (0 / finfo.min) for eager. One pending token and no draft on a model without
+    sliding windows needs no mask at all: ``None``, the host's plain decode path.
+    """
+    if parents.shape[0] == 0 and num_pending == 1 and traits.no_windows:
+        return None, torch.tensor([[cache_len]], device=device)
+    masks = {}
+    for layer_type, window in traits.layer_windows.items():
+        allowed, position_ids = tree_attention(parents, num_pending, cache_len, window)
+        allowed = torch.from_numpy(allowed).to(device)[None, None]
+        if traits.additive_mask:
+            mask = torch.zeros(allowed.shape, dtype=traits.mask_dtype, device=device)
+            masks[layer_type] = mask.masked_fill_(~allowed, torch.finfo(traits.mask_dtype).min)
+        else:
+            masks[layer_type] = allowed
+    mask = masks if traits.per_layer_type_masks and len(masks) > 1 else next(iter(masks.values()))
+    return mask, torch.from_numpy(position_ids).to(device)[None]
+
+
+def tree_forward(model, traits: ModelTraits, cache, cache_len: int, pending: list[int], draft: Draft) -> torch.Tensor:
+    """Run pending + draft on top of ``cache_len`` cached tokens.
+
+    Returns float32 logits of the last pending token (row 0) and of every draft
+    node (row i + 1), ``[n + 1, V]``; the cache grows by ``len(pending) + n`` entries.
+    """
+    device = model.device
+    input_ids = torch.tensor([pending + draft.token_ids.tolist()], dtype=torch.long, device=device)
+    attention_mask, position_ids = attention_inputs(traits, draft.parents, len(pending), cache_len, device)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cache_position=torch.arange(cache_len, cache_len + input_ids.shape[1], device=device),
+        use_cache=True,
+        logits_to_keep=draft.num_nodes + 1,
+        **{traits.cache_kwarg: cache},
+    )
+    return out.logits[0, -(draft.num_nodes + 1):].to(dtype=torch.float32)
+
+
+def compact_cache(cache, keep_len: int, accepted_nodes: list[int]) -> None:
+    """Keep ``keep_len`` entries plus the accepted nodes' entries, moved right after them.
+
+    ``keep_len=3, accepted_nodes=[1, 3]``: entries ``[0, 1, 2, 3+1, 3+3]`` remain, in that order.
+    """
+    src = torch.tensor([keep_len + i for i in accepted_nodes], dtype=torch.long)
+    new_len = keep_len + len(accepted_nodes)
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
+            continue
+        if src.numel():
+            idx = src.to(layer.keys.device)
+            layer.keys[..., keep_len:new_len, :] = layer.keys[..., idx, :]
+            layer.values[..., keep_len:new_len, :] = layer.values[..., idx, :]
+        layer.keys = layer.keys[..., :new_len, :]
+        layer.values = layer.values[..., :new_len, :]
+
+
+@dataclass
+class DecodeState:
+    """One request's decode: what is committed, cached and pending, and what to return."""
+
+    request_id: tuple
+    sequence: list[int]  # committed tokens: prompt + output
+    pending: list[int]  # committed, not yet cached
+    max_length: int
+    cache: object = field(default_factory=make_cache)
+    cache_len: int = 0
+    done: bool = False
+    out_scores: list[torch.Tensor] = field(default_factory=list)  # [1, V] processed, per new token
+    out_logits: list[torch.Tensor] = field(default_factory=list)  # [1, V] raw, per new token
+
+
 class SpeculativeDecoder:
-    """One generate() call for a batch of one row."""
+    """One generate() call for a batch of one row.
+
+    ``generate`` returns (sequences [1, L], scores per new token, raw logits per new token, cache).
+    """
 
     def __init__(self, model, drafter, config: SpecConfig, stats: SpecStats, traits: ModelTraits):
         self.model = model
@@ -97,154 +186,114 @@ class SpeculativeDecoder:
         self.traits = traits
         self.device = model.device
 
-    # ------------------------------------------------------------ model call
-    def _forward(self, cache, cache_len: int, pending: list[int], draft: Draft) -> torch.Tensor:
-        """Run pending + draft; return float32 logits of the last pending token and every node. [n+1, V]"""
-        traits = self.traits
-        input_ids = torch.tensor([pending + draft.token_ids.tolist()], dtype=torch.long, device=self.device)
-        masks = {}
-        position_ids = np.array([cache_len], np.int64)
-        if draft.num_nodes == 0 and len(pending) == 1 and traits.no_windows:
-            # one query that sees the whole cache: no mask, the host's plain decode path
-            masks = {"full_attention": None}
-        for layer_type, window in traits.layer_windows.items() if not masks else ():
-            allowed, position_ids = tree_attention(draft.parents, len(pending), cache_len, window)
-            allowed = torch.from_numpy(allowed).to(self.device)[None, None]
-            if traits.additive_mask:
-                mask = torch.zeros(allowed.shape, dtype=traits.mask_dtype, device=self.device)
-                mask.masked_fill_(~allowed, torch.finfo(traits.mask_dtype).min)
-            else:
-                mask = allowed
-            masks[layer_type] = mask
-        attention_mask = masks if traits.per_layer_type_masks and len(masks) > 1 else next(iter(masks.values()))
-        q_len = input_ids.shape[1]
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=torch.from_numpy(position_ids).to(self.device)[None],
-            cache_position=torch.arange(cache_len, cache_len + q_len, device=self.device),
-            use_cache=True,
-            logits_to_keep=draft.num_nodes + 1,
-            **{traits.cache_kwarg: cache},
-        )
-        return out.logits[0, -(draft.num_nodes + 1):].to(dtype=torch.float32)
-
-    @staticmethod
-    def _compact(cache, keep_len: int, accepted_nodes: list[int]) -> None:
-        """Keep ``keep_len`` entries plus the accepted nodes' entries, moved right after them."""
-        src = torch.tensor([keep_len + i for i in accepted_nodes], dtype=torch.long)
-        for layer in cache.layers:
-            if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
-                continue
-            if src.numel():
-                idx = src.to(layer.keys.device)
-                layer.keys[..., keep_len: keep_len + len(accepted_nodes), :] = layer.keys[..., idx, :]
-                layer.values[..., keep_len: keep_len + len(accepted_nodes), :] = layer.values[..., idx, :]
-            new_len = keep_len + len(accepted_nodes)
-            layer.keys = layer.keys[..., :new_len, :]
-            layer.values = layer.values[..., :new_len, :]
-
-    # ------------------------------------------------------------ the loop
     def generate(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None,
-                 generator: torch.Generator | None = None, documents=None, tokenizer=None):
-        """Decode one row; returns (sequences [1, L], scores per new token, raw logits per new token, cache).
-
-        ``documents``: token-id arrays or texts (with ``tokenizer``) this request's drafter
-        may draft from (RAG passages, files being edited); needs a drafter with ``add_documents``.
-        """
-        config, stats, drafter = self.config, self.stats, self.drafter
+                 documents=None, tokenizer=None):
+        """Decode one row. ``documents``: token-id arrays or texts (with ``tokenizer``) the drafter
+        may draft from this request (RAG passages, files being edited)."""
+        self.logits_processor, self.stopping_criteria, self.streamer = logits_processor, stopping_criteria, streamer
+        self.do_sample = bool(generation_config.do_sample)
+        self.want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+        self.want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
         t_start = time.perf_counter()
-        do_sample = bool(generation_config.do_sample)
-        max_length = int(generation_config.max_length)
         prompt = input_ids[0].tolist()
-        stats.prompt_tokens = len(prompt)
-        sequence = list(prompt)  # committed tokens
-        out_scores: list[torch.Tensor] = []
-        out_logits: list[torch.Tensor] = []
-        want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
-        want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
-        observe_k = int(getattr(drafter, "observe_top_k", 0) or 0)
-        request_id = ("freespec", next(_request_ids))
-        cache = _make_cache()
-        cache_len = 0
-        pending = list(prompt)
-
-        t0 = time.perf_counter()
-        drafter.start(request_id, np.asarray(prompt, np.int64))
+        state = DecodeState(("freespec", next(_request_ids)), list(prompt), list(prompt),
+                            int(generation_config.max_length))
+        state.done = len(state.sequence) >= state.max_length
+        self.stats.prompt_tokens = len(prompt)
         try:
-            if documents is not None:
-                drafter.add_documents(request_id, documents, tokenizer)
-            stats.draft_s += time.perf_counter() - t0
-            done = len(sequence) >= max_length
-            while not done:
-                budget = config.step_budget(max_length - len(sequence))
+            self._timed_draft(self._start, state, documents, tokenizer)
+            while not state.done:
+                draft = self._timed_draft(self._propose, state)
                 t0 = time.perf_counter()
-                draft = drafter.propose(request_id, budget) if budget.max_depth > 0 else Draft.empty()
-                if draft.num_nodes:
-                    draft = draft.validate(budget)
-                t1 = time.perf_counter()
-                stats.draft_s += t1 - t0
-
-                logits = self._forward(cache, cache_len, pending, draft)  # [n+1, V]
-                t_fwd = time.perf_counter() - t1
-                drafter.on_forward(len(pending) + draft.num_nodes, t_fwd)
-                stats.forward_passes += 1
-                if stats.forward_passes > 1:
-                    stats.tokens_fed += len(pending) + draft.num_nodes
-                cache_len += len(pending)
-
-                def score_row(row: int, path: list[int]) -> torch.Tensor:
-                    raw = logits[row: row + 1]
-                    if len(logits_processor) == 0:
-                        return raw[0]
-                    ids = torch.tensor([sequence + path], dtype=torch.long, device=self.device)
-                    return logits_processor(ids, raw.clone())[0]
-
-                acceptance = accept_tree(draft.token_ids, draft.parents, score_row, do_sample, generator)
-                self._compact(cache, cache_len, acceptance.accepted_nodes)
-                cache_len += len(acceptance.accepted_nodes)
-                stats.verify_s += time.perf_counter() - t1
-
-                if draft.num_nodes:
-                    stats.steps_with_draft += 1
-                    stats.draft_tokens += draft.num_nodes
-                    stats.accepted_draft_tokens += len(acceptance.accepted_nodes)
-                    for i in range(draft.num_nodes):
-                        stats.drafter(draft.node_source(i) or getattr(drafter, "name", "drafter")).proposed += 1
-                    for i in acceptance.accepted_nodes:
-                        stats.drafter(draft.node_source(i) or getattr(drafter, "name", "drafter")).accepted += 1
-
-                # commit token by token, asking the stopping criteria after each one as plain decoding does
-                committed = []
-                for k, token in enumerate(acceptance.token_ids):
-                    sequence.append(token)
-                    committed.append(token)
-                    if want_scores:
-                        out_scores.append(acceptance.scores[k][None])
-                    if want_logits:
-                        row = 0 if k == 0 else acceptance.accepted_nodes[k - 1] + 1
-                        out_logits.append(logits[row: row + 1].clone())
-                    ids = torch.tensor([sequence], dtype=torch.long, device=self.device)
-                    if bool(stopping_criteria(ids, None).any()) or len(sequence) >= max_length:
-                        done = True
-                        break
-                stats.new_tokens += len(committed)
-                if streamer is not None:
-                    for token in committed:
-                        streamer.put(torch.tensor([token]))
-
-                t0 = time.perf_counter()
-                if observe_k and draft.num_nodes:
-                    topk = torch.topk(logits, k=min(observe_k, logits.shape[-1]), dim=-1).indices.cpu().numpy()
-                    drafter.observe(request_id, VerifyOutput(draft, np.asarray(acceptance.accepted_nodes, np.int64), topk))
-                drafter.extend(request_id, np.asarray(committed, np.int64))
-                stats.draft_s += time.perf_counter() - t0
-                # the bonus token is committed but not cached: it is the next step's root
-                pending = [acceptance.token_ids[-1]]
+                logits = self._forward(state, draft)
+                acceptance = self._accept(state, draft, logits)
+                compact_cache(state.cache, state.cache_len, acceptance.accepted_nodes)
+                state.cache_len += len(acceptance.accepted_nodes)
+                self.stats.verify_s += time.perf_counter() - t0
+                committed = self._commit(state, draft, logits, acceptance)
+                self._timed_draft(self._learn, state, draft, logits, acceptance, committed)
         finally:
-            drafter.stop(request_id)
+            self.drafter.stop(state.request_id)
             if streamer is not None:
                 streamer.end()
-            stats.total_s = time.perf_counter() - t_start
-        sequences = torch.tensor([sequence], dtype=input_ids.dtype, device=input_ids.device)
-        return sequences, out_scores, out_logits, cache
+            self.stats.total_s = time.perf_counter() - t_start
+        sequences = torch.tensor([state.sequence], dtype=input_ids.dtype, device=input_ids.device)
+        return sequences, state.out_scores, state.out_logits, state.cache
+
+    # ------------------------------------------------------------ steps
+    def _timed_draft(self, step, *args):
+        t0 = time.perf_counter()
+        try:
+            return step(*args)
+        finally:
+            self.stats.draft_s += time.perf_counter() - t0
+
+    def _start(self, state: DecodeState, documents, tokenizer) -> None:
+        self.drafter.start(state.request_id, np.asarray(state.sequence, np.int64))
+        if documents is not None:
+            self.drafter.add_documents(state.request_id, documents, tokenizer)
+
+    def _propose(self, state: DecodeState) -> Draft:
+        budget = self.config.step_budget(state.max_length - len(state.sequence))
+        if budget.max_depth == 0:
+            return Draft.empty()
+        draft = self.drafter.propose(state.request_id, budget)
+        return draft.validate(budget) if draft.num_nodes else draft
+
+    def _forward(self, state: DecodeState, draft: Draft) -> torch.Tensor:
+        """The tree forward, reported to the drafter; the pending tokens are cached after it. [n + 1, V]"""
+        prefill = self.stats.forward_passes == 0
+        num_fed = len(state.pending) + draft.num_nodes
+        t0 = time.perf_counter()
+        logits = tree_forward(self.model, self.traits, state.cache, state.cache_len, state.pending, draft)
+        self.drafter.on_forward(ForwardReport((state.request_id,), (num_fed,), time.perf_counter() - t0, prefill))
+        self.stats.forward_passes += 1
+        if not prefill:
+            self.stats.tokens_fed += num_fed
+        state.cache_len += len(state.pending)
+        return logits
+
+    def _accept(self, state: DecodeState, draft: Draft, logits: torch.Tensor) -> Acceptance:
+        processor = self.logits_processor
+
+        def score_row(row: int, path: list[int]) -> torch.Tensor:
+            raw = logits[row: row + 1]
+            if len(processor) == 0:
+                return raw[0]
+            ids = torch.tensor([state.sequence + path], dtype=torch.long, device=self.device)
+            return processor(ids, raw.clone())[0]
+
+        acceptance = accept_tree(draft.token_ids, draft.parents, score_row, self.do_sample, draft.is_candidate)
+        self.stats.count_draft(draft, acceptance.accepted_nodes, self.drafter.name)
+        return acceptance
+
+    def _commit(self, state: DecodeState, draft: Draft, logits: torch.Tensor, acceptance: Acceptance) -> list[int]:
+        """Commit token by token, asking the stopping criteria after each one as plain decoding does."""
+        committed = []
+        for k, token in enumerate(acceptance.token_ids):
+            state.sequence.append(token)
+            committed.append(token)
+            if self.want_scores:
+                state.out_scores.append(acceptance.scores[k][None])
+            if self.want_logits:
+                row = 0 if k == 0 else acceptance.accepted_nodes[k - 1] + 1
+                state.out_logits.append(logits[row: row + 1].clone())
+            ids = torch.tensor([state.sequence], dtype=torch.long, device=self.device)
+            if bool(self.stopping_criteria(ids, None).any()) or len(state.sequence) >= state.max_length:
+                state.done = True
+                break
+        self.stats.new_tokens += len(committed)
+        if self.streamer is not None:
+            for token in committed:
+                self.streamer.put(torch.tensor([token]))
+        state.pending = [acceptance.token_ids[-1]]  # the bonus token is committed but not cached
+        return committed
+
+    def _learn(self, state: DecodeState, draft: Draft, logits: torch.Tensor, acceptance: Acceptance,
+               committed: list[int]) -> None:
+        top_k = self.drafter.observe_top_k
+        if top_k and draft.num_nodes:
+            topk = torch.topk(logits, k=min(top_k, logits.shape[-1]), dim=-1).indices.cpu().numpy()
+            accepted = np.asarray(acceptance.accepted_nodes, np.int64)
+            self.drafter.observe(state.request_id, VerifyOutput(draft, accepted, topk))
+        self.drafter.extend(state.request_id, np.asarray(committed, np.int64))

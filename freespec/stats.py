@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class DrafterStats:
@@ -19,8 +21,9 @@ class DrafterStats:
 class SpecStats:
     """Counters of the last call.
 
-    ``mean_accepted`` (tau) is new tokens per target forward, prefill included,
-    so plain decoding scores exactly 1.00.
+    ``tau`` is new tokens per target forward, prefill included, so plain
+    decoding scores exactly 1.00 (not the mean accepted draft length, which is
+    ``tau - 1`` per forward).
     """
 
     prompt_tokens: int = 0
@@ -28,7 +31,8 @@ class SpecStats:
     forward_passes: int = 0
     steps_with_draft: int = 0
     tokens_fed: int = 0  # tokens fed to the target after the prompt (roots + draft nodes)
-    draft_tokens: int = 0  # draft nodes verified
+    draft_tokens: int = 0  # candidate draft nodes verified
+    noncandidate_tokens: int = 0  # not-candidate nodes fed (lookahead windows), never accepted
     accepted_draft_tokens: int = 0
     draft_s: float = 0.0  # time in the drafter (propose/extend/observe)
     verify_s: float = 0.0  # time in target forwards and verification
@@ -37,14 +41,26 @@ class SpecStats:
     per_drafter: dict[str, DrafterStats] = field(default_factory=dict)
 
     @property
-    def mean_accepted(self) -> float:
+    def tau(self) -> float:
         return self.new_tokens / self.forward_passes if self.forward_passes else 0.0
-
-    tau = mean_accepted
 
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.total_s if self.total_s else 0.0
+
+    def count_draft(self, draft, accepted_nodes, default_source: str) -> None:
+        """Count one verified draft: its candidates per source, and which were accepted."""
+        if not draft.num_nodes:
+            return
+        self.steps_with_draft += 1
+        self.draft_tokens += draft.num_candidates
+        self.noncandidate_tokens += draft.num_nodes - draft.num_candidates
+        self.accepted_draft_tokens += len(accepted_nodes)
+        is_candidate = draft.candidate_mask()
+        for i in np.nonzero(is_candidate)[0].tolist():
+            self.drafter(draft.node_source(i) or default_source).proposed += 1
+        for i in accepted_nodes:
+            self.drafter(draft.node_source(i) or default_source).accepted += 1
 
     def drafter(self, name: str) -> DrafterStats:
         if name not in self.per_drafter:
@@ -53,7 +69,7 @@ class SpecStats:
 
     def summary(self) -> str:
         parts = [
-            f"{self.new_tokens} new tokens in {self.forward_passes} forwards (tau {self.mean_accepted:.2f})",
+            f"{self.new_tokens} new tokens in {self.forward_passes} forwards (tau {self.tau:.2f})",
             f"{self.tokens_per_s:.1f} tok/s",
             f"draft {self.draft_s * 1e3:.0f} ms, verify {self.verify_s * 1e3:.0f} ms",
         ]

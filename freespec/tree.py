@@ -119,24 +119,27 @@ def path_to(parents, node: int) -> list[int]:
     return path[::-1]
 
 
-def children_by_token(parents, token_ids) -> list[dict[int, int]]:
+def children_by_token(parents, token_ids, is_candidate=None) -> list[dict[int, int]]:
     """``out[i + 1]`` maps token -> child node of node ``i``; ``out[0]`` is the root's.
 
     ``children_by_token([-1, 0, 0], [5, 6, 8]) -> [{5: 0}, {6: 1, 8: 2}, {}, {}]``.
+    With ``is_candidate`` ([n] bool), not-candidate nodes are left out.
     """
     out: list[dict[int, int]] = [{} for _ in range(len(parents) + 1)]
-    for i, (parent, token) in enumerate(zip(np.asarray(parents).tolist(), np.asarray(token_ids).tolist())):
-        out[parent + 1][token] = i
+    nodes = range(len(parents)) if is_candidate is None else np.nonzero(is_candidate)[0].tolist()
+    parents, token_ids = np.asarray(parents).tolist(), np.asarray(token_ids).tolist()
+    for i in nodes:
+        out[parents[i] + 1][token_ids[i]] = i
     return out
 
 
-def follow(parents, token_ids, tokens) -> list[int]:
-    """Nodes of the longest root path that spells a prefix of ``tokens``.
+def follow(parents, token_ids, tokens, is_candidate=None) -> list[int]:
+    """Nodes of the longest root path of candidates that spells a prefix of ``tokens``.
 
     ``follow([-1, 0, 0, 1], [5, 6, 8, 7], [5, 8, 9]) -> [0, 2]``: the path a
     greedy verifier accepts when ``tokens`` is what the target would decode.
     """
-    children = children_by_token(parents, token_ids)
+    children = children_by_token(parents, token_ids, is_candidate)
     path: list[int] = []
     for token in np.asarray(tokens).tolist():
         child = children[path[-1] + 1 if path else 0].get(token)

@@ -38,11 +38,11 @@ class Acceptance:
     scores: list[torch.Tensor]  # processed scores [V] that chose each emitted token
 
 
-def choose_token(scores: torch.Tensor, do_sample: bool, generator: torch.Generator | None = None) -> int:
-    """argmax, or one draw from softmax(scores), exactly as HF's sampling loop does."""
+def choose_token(scores: torch.Tensor, do_sample: bool) -> int:
+    """argmax, or one draw from softmax(scores) with the global RNG, exactly as HF's sampling loop does."""
     if do_sample:
         probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, num_samples=1, generator=generator).item())
+        return int(torch.multinomial(probs, num_samples=1).item())
     return int(torch.argmax(scores, dim=-1).item())
 
 
@@ -51,23 +51,24 @@ def accept_tree(
     parents: np.ndarray,  # [n]
     score_row: Callable[[int, list[int]], torch.Tensor],
     do_sample: bool,
-    generator: torch.Generator | None = None,
+    is_candidate: np.ndarray | None = None,  # [n] bool, None = every node
 ) -> Acceptance:
     """Walk the tree from the root as the target would decode.
 
     ``score_row(row, path_token_ids)`` returns the processed scores [V] at
     ``row`` (0 = root, i + 1 = draft node i); ``path_token_ids`` are the tokens
     accepted before it, so the caller can run the user's logits processors on
-    the right prefix. Only rows on the walked path are scored.
+    the right prefix. Only rows on the walked path are scored. Nodes with
+    ``is_candidate[i] = False`` are never descended into, whatever their token.
     """
-    children = children_by_token(parents, draft_token_ids)
+    children = children_by_token(parents, draft_token_ids, is_candidate)
     accepted_nodes: list[int] = []
     token_ids: list[int] = []
     scores: list[torch.Tensor] = []
     row = 0
     while True:
         row_scores = score_row(row, token_ids)
-        token = choose_token(row_scores, do_sample, generator)
+        token = choose_token(row_scores, do_sample)
         token_ids.append(token)
         scores.append(row_scores)
         child = children[row].get(token)

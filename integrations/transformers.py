@@ -226,9 +226,9 @@ def _generate(model, state: _PatchState, *args, **kwargs):
     streamer = kwargs.pop("streamer", None)
     documents = kwargs.pop("documents", None)
     if documents is not None:
-        if not hasattr(state.drafter, "add_documents"):
+        if not state.drafter.accepts_documents:
             raise ValueError(f"documents= needs a drafter that drafts from documents (mixture, corpus); "
-                             f"this model's drafter is {getattr(state.drafter, 'name', state.drafter)!r}")
+                             f"this model's drafter is {state.drafter.name!r}")
         if isinstance(documents, (str, bytes)) or not hasattr(documents, "__iter__"):
             raise ValueError("documents must be a list of texts or of token-id sequences")
         documents = list(documents)

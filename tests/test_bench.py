@@ -172,7 +172,7 @@ def test_single_method_value_types():
 def test_arctic_to_draft_reorders_and_checks():
     draft = arctic_to_draft([9, 3], [1, -1], [0.2, 0.5], "s")
     assert draft.token_ids.tolist() == [3, 9] and draft.parents.tolist() == [-1, 0]
-    assert draft.scores.tolist() == pytest.approx([0.5, 0.2]) and draft.sources == ("s", "s")
+    assert draft.confidence.tolist() == pytest.approx([0.5, 0.2]) and draft.sources == ("s", "s")
     same = arctic_to_draft([3, 4, 9, 5], [-1, -1, 0, 0], None, "s")
     assert same.parents.tolist() == [-1, -1, 0, 0]
     assert arctic_to_draft([], [], [], "s").num_nodes == 0

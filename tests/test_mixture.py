@@ -5,6 +5,7 @@ import pytest
 
 from freespec.draft import Budget, Draft
 from freespec.drafters import make
+from freespec.drafters.base import ForwardReport
 from freespec.drafters.corpus import Corpus
 from freespec.drafters.mixture import AcceptanceCalibrator, CostModel, MixtureDrafter
 from freespec.drafters.suffix import SharedCorpus
@@ -33,9 +34,9 @@ def test_draft_is_valid_within_budget(budget, adaptive):
     for step in range(30):
         draft = drafter.propose("r", budget)
         draft.validate(budget)
-        assert draft.num_nodes == 0 or draft.scores is not None
+        assert draft.num_nodes == 0 or draft.confidence is not None
         if draft.num_nodes:
-            assert np.all(draft.scores[draft.parents[draft.parents >= 0]] >= draft.scores[draft.parents >= 0])
+            assert np.all(draft.confidence[draft.parents[draft.parents >= 0]] >= draft.confidence[draft.parents >= 0])
             assert set(draft.sources) <= {"suffix", "ngram"}
         drafter.extend("r", RNG.integers(10, 500, size=1 + step % 3))
     drafter.stop("r")
@@ -162,14 +163,14 @@ def _run_steps(drafter, source_draft, truth_fn, num_steps, forward_s=lambda n: 0
     """Drive the drafter with one fake source; return the draft sizes."""
     drafter._source_drafts = lambda request_id, request, budget: [("suffix", 12, source_draft)]
     drafter.start("r", PROMPT)
-    drafter.on_forward(len(PROMPT), 1.0)  # the prefill: ignored
+    drafter.on_forward(ForwardReport(("r",), (len(PROMPT),), 1.0, prefill=True))  # ignored
     for _ in range(3):
-        drafter.on_forward(1, forward_s(1))
+        drafter.on_forward(ForwardReport(("r",), (1,), forward_s(1)))
     sizes = []
     for step in range(num_steps):
         draft = drafter.propose("r", Budget(24, 12))
         sizes.append(draft.num_nodes)
-        drafter.on_forward(1 + draft.num_nodes, forward_s(1 + draft.num_nodes))
+        drafter.on_forward(ForwardReport(("r",), (1 + draft.num_nodes,), forward_s(1 + draft.num_nodes)))
         drafter.extend("r", truth_fn(step))
     drafter.stop("r")
     return sizes

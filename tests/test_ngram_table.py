@@ -40,7 +40,7 @@ def test_tree_is_every_path_above_min_prob(sequences, prompt, max_n, min_prob):
     drafter.start("q", prompt)
     budget = Budget(num_nodes=100_000, max_depth=3)
     draft = drafter.propose("q", budget).validate(budget)
-    scores = [] if draft.scores is None else draft.scores.tolist()
+    scores = [] if draft.confidence is None else draft.confidence.tolist()
     got = {tuple(p): s for p, s in zip(naive_lookup.paths_to_nodes(draft), scores)}
     want = naive_lookup.ngram_tree(sequences + [prompt], prompt, 1, max_n, min_prob, 3)
     assert got.keys() == want.keys()
@@ -58,7 +58,7 @@ def test_draft_within_budget_and_best_first(text, num_nodes):
     full = drafter.propose(0, Budget(10_000, 4))
     # the kept nodes are the best ones: nothing left out scores above anything kept
     if small.num_nodes == num_nodes and full.num_nodes > num_nodes:
-        assert float(small.scores.min()) >= np.sort(full.scores)[::-1][num_nodes] - 1e-7
+        assert float(small.confidence.min()) >= np.sort(full.confidence)[::-1][num_nodes] - 1e-7
 
 
 def test_memory_bound_under_many_insertions():
@@ -90,7 +90,7 @@ def test_observe_learns_the_targets_predictions_below_text():
     drafter.start(1, [6, 7])  # after [6, 7]: 8 from text and model (1.5), 2 from the model (0.25)
     draft = drafter.propose(1, Budget(4, 1))
     assert draft.token_ids.tolist() == [8, 2]
-    assert draft.scores.tolist() == pytest.approx([1.5 / 1.75, 0.25 / 1.75])
+    assert draft.confidence.tolist() == pytest.approx([1.5 / 1.75, 0.25 / 1.75])
     with pytest.raises(ValueError, match="num_nodes"):
         drafter.observe(0, VerifyOutput(draft, np.array([0]), topk[:2]))
 

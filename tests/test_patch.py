@@ -28,7 +28,7 @@ def test_patch_unpatch_roundtrip(model):
     assert model.generate(PROMPT, max_new_tokens=12, do_sample=False).tolist() == plain.tolist()
     stats = freespec.stats(model)
     assert stats.new_tokens == 12 and stats.forward_passes >= 1 and stats.fallback_reason is None
-    assert 1.0 <= stats.mean_accepted <= 12
+    assert 1.0 <= stats.tau <= 12
     freespec.unpatch(model)
     assert "generate" not in model.__dict__
     with pytest.raises(RuntimeError, match="not patched"):
@@ -169,9 +169,9 @@ def test_documents_feed_the_drafter_and_keep_output_exact(model, drafter):
     freespec.patch(model, drafter=drafter)
     out = model.generate(PROMPT, max_new_tokens=40, do_sample=False, documents=[[7, 7] + continuation + [3]])
     assert out.tolist() == plain.tolist()
-    with_docs = freespec.stats(model).mean_accepted
+    with_docs = freespec.stats(model).tau
     model.generate(PROMPT, max_new_tokens=40, do_sample=False)
-    assert with_docs > freespec.stats(model).mean_accepted, "the per-call documents must not outlive the call"
+    assert with_docs > freespec.stats(model).tau, "the per-call documents must not outlive the call"
     assert with_docs > 3
 
 

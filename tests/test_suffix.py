@@ -164,7 +164,7 @@ def test_draft_is_a_valid_tree_of_real_continuations(case, num_nodes, max_depth,
             for path in draft.paths():
                 assert _is_continuation(context, context[len(context) - match_len :], path)
             children = draft.parents >= 0
-            assert np.all(draft.scores[children] <= draft.scores[draft.parents[children]])
+            assert np.all(draft.confidence[children] <= draft.confidence[draft.parents[children]])
             assert set(draft.sources) == {"suffix"}
         drafter.extend("r", chunk)
         context += chunk
@@ -175,7 +175,7 @@ def test_docstring_example_and_min_prob():
     drafter = SuffixDrafter()
     drafter.start(0, [7, 1, 2, 3, 9, 1, 2, 4, 1, 2])
     draft = drafter.propose(0, Budget(4, 2))
-    assert sorted(draft.paths()) == [[3, 9], [4, 1]] and draft.scores.tolist() == [0.5] * 4
+    assert sorted(draft.paths()) == [[3, 9], [4, 1]] and draft.confidence.tolist() == [0.5] * 4
     drafter.stop(0)
     drafter = SuffixDrafter(min_prob=0.3)  # [1, 2] is followed by 3 twice and by 4 once
     drafter.start(0, [1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2])

@@ -7,8 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from freespec.draft import Draft
-from freespec.engine import ModelTraits, SpeculativeDecoder, _make_cache
-from freespec.stats import SpecStats
+from freespec.engine import ModelTraits, compact_cache, make_cache, tree_forward
 from freespec.tree import (ancestor_matrix, bfs_order, follow, node_depths, path_to, topological_order,
                            tree_attention)
 
@@ -102,12 +101,12 @@ def test_tree_logits_equal_linear_branches(which, request):
     committed = rng.integers(2, 120, 30).tolist()  # crosses gemma3's window of 8
     parents = np.array([-1, 0, 1, 0, -1, 4, 4, 6, 2, 8, 9, 10], np.int32)
     draft = Draft(rng.integers(2, 120, len(parents)), parents)
-    decoder = SpeculativeDecoder(model, None, None, SpecStats(), ModelTraits.of(model))
-    cache = _make_cache()
+    traits = ModelTraits.of(model)
+    cache = make_cache()
     with torch.no_grad():
         # prefill 25 tokens, then 5 pending + the tree, as a later step would
-        decoder._forward(cache, 0, committed[:25], Draft.empty())
-        logits = decoder._forward(cache, 25, committed[25:], draft)
+        tree_forward(model, traits, cache, 0, committed[:25], Draft.empty())
+        logits = tree_forward(model, traits, cache, 25, committed[25:], draft)
     linear = _linear_logits(model, committed)
     assert torch.allclose(logits[0], linear[-1], atol=1e-8)
     for i in range(len(parents)):
@@ -122,13 +121,12 @@ def test_compacted_cache_equals_linear_cache(tiny_llama, accepted):
     committed = rng.integers(2, 120, 20).tolist()
     parents = np.array([-1, 0, 1, 0, -1, 4, 4, 6], np.int32)
     draft = Draft(rng.integers(2, 120, len(parents)), parents)
-    decoder = SpeculativeDecoder(model, None, None, SpecStats(), ModelTraits.of(model))
-    cache = _make_cache()
+    cache = make_cache()
     with torch.no_grad():
-        decoder._forward(cache, 0, committed, draft)
-    decoder._compact(cache, len(committed), accepted)
+        tree_forward(model, ModelTraits.of(model), cache, 0, committed, draft)
+    compact_cache(cache, len(committed), accepted)
     path = committed + [int(draft.token_ids[i]) for i in accepted]
-    reference = _make_cache()
+    reference = make_cache()
     with torch.no_grad():
         model(torch.tensor([path]), cache=reference, use_cache=True)
     for layer, ref in zip(cache.layers, reference.layers):

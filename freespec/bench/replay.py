@@ -73,7 +73,7 @@ def accepted_path(draft: Draft, truth: np.ndarray) -> list[int]:
 
     ``token_ids=[5, 6, 8, 7], parents=[-1, 0, 0, 1]``, truth ``[5, 8, 9]`` -> ``[0, 2]``.
     """
-    return follow(draft.parents, draft.token_ids, truth)
+    return follow(draft.parents, draft.token_ids, truth, draft.is_candidate)
 
 
 def replay_one(drafter, request_id, prompt_ids: Sequence[int], output_ids: Sequence[int], max_new_tokens: int,

@@ -118,7 +118,7 @@ def _stats_record(stats) -> dict | None:
     if stats is None:
         return None
     return {
-        "new_tokens": stats.new_tokens, "forward_passes": stats.forward_passes, "tau": stats.mean_accepted,
+        "new_tokens": stats.new_tokens, "forward_passes": stats.forward_passes, "tau": stats.tau,
         "draft_s": stats.draft_s, "verify_s": stats.verify_s, "total_s": stats.total_s,
         "tokens_fed": stats.tokens_fed, "steps_with_draft": stats.steps_with_draft,
         "draft_tokens": stats.draft_tokens, "accepted_draft_tokens": getattr(stats, "accepted_draft_tokens", 0),

@@ -1,25 +1,64 @@
 """The drafter contract.
 
 A drafter is a plain data structure over token ids: it never imports torch
-and never sees the model. The engine drives it through one request's life::
+and never sees the model (unless it declares ``needs_model``, below). The
+engine drives it through one request's life::
 
-    drafter.start(request_id, prompt_ids)      # index the prompt
+    drafter.start(request_id, prompt_ids)            # index the prompt
+    drafter.add_documents(request_id, docs, tok)     # only with generate(documents=...)
     while not done:
         draft = drafter.propose(request_id, budget)   # a Draft within budget
-        ...verify...
+        ...one verify forward...
+        drafter.on_forward(report)                    # size and time of that forward
         drafter.observe(request_id, verify_output)    # only if observe_top_k > 0
         drafter.extend(request_id, accepted_ids)      # tokens committed this step
-    drafter.stop(request_id)                   # may feed a shared corpus
+    drafter.stop(request_id)                         # may feed a shared index
 
-``Drafter`` below gives the bookkeeping every lookup drafter needs: the
-context of each live request as a growing int32 array, and lifecycle checks
+Every hook is declared on ``Drafter`` below with its default; the engine
+calls them unconditionally (never by ``hasattr``). Two extensions serve the
+drafters that read the model:
+
+- **Not-candidate nodes.** A ``Draft`` may flag nodes ``is_candidate=False``:
+  they are fed and attended in the verify forward but never accepted, and
+  their top-k comes back through ``observe`` (``VerifyOutput.topk_token_ids``
+  has a row for every node). A lookahead drafter puts its Jacobi window there.
+- **Model drafters.** A drafter with ``needs_model = True`` receives, once,
+  ``attach_model(handle)``: a narrow handle the engine builds from the host
+  model's public modules (run some decoder layers against the verified cache,
+  the final norm, the LM head). Only such drafters ever see torch.
+
+Worked example: token recycling in miniature. The target's top-1 after each
+fed token comes back through ``observe``; the draft chains those successors
+(``tests/test_contract.py`` runs it against plain decoding)::
+
+    class TopOneSuccessor(Drafter):
+        name, observe_top_k = "top1-successor", 1
+
+        def __init__(self):
+            super().__init__()
+            self.successor = {}  # token -> the target's last top-1 after it
+
+        def observe(self, request_id, out):  # before extend(): context[-1] is the root
+            fed = [int(self.context(request_id)[-1])] + out.draft.token_ids.tolist()
+            for row, token in enumerate(fed):  # row 0: the root, row i + 1: node i
+                self.successor[token] = int(out.topk_token_ids[row, 0])
+
+        def _propose(self, request_id, budget):
+            chain, token = [], int(self.context(request_id)[-1])
+            while len(chain) < min(budget.num_nodes, budget.max_depth) and token in self.successor:
+                token = self.successor[token]
+                chain.append(token)
+            return Draft.chain(chain, self.name)
+
+``Drafter`` gives the bookkeeping every lookup drafter needs: the context of
+each live request as a growing int32 array, and lifecycle checks
 (``propose`` before ``start`` raises ``ValueError``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Hashable, Iterable
 
 import numpy as np
 
@@ -30,8 +69,8 @@ from ..draft import Budget, Draft
 class VerifyOutput:
     """What a drafter may learn from one verify forward (``observe``).
 
-    ``draft``: the tree that was verified.
-    ``accepted_nodes``: indices into the draft along the accepted path.
+    ``draft``: the tree that was verified (not-candidate nodes included).
+    ``accepted_nodes``: [a] int64, indices into the draft along the accepted path.
     ``topk_token_ids``: [num_nodes + 1, k] int64, the target's top-k tokens at
     the root (row 0) and at each node (row i + 1), from the processed scores.
     """
@@ -39,6 +78,32 @@ class VerifyOutput:
     draft: Draft
     accepted_nodes: np.ndarray
     topk_token_ids: np.ndarray
+
+
+@dataclass(frozen=True)
+class ForwardReport:
+    """One target forward, as the engine reports it to ``on_forward``.
+
+    ``request_ids``: the requests in the batch, one per row.
+    ``tokens_per_row``: tokens each row fed (pending tokens + draft nodes).
+    ``forward_s``: wall seconds of the forward.
+    ``prefill``: the first forward of these requests (its size is the prompt's).
+    A batch pads rows to ``width = max(tokens_per_row)`` tokens each.
+    ``ForwardReport(("r",), (5,), 0.02, False).width -> 5``.
+    """
+
+    request_ids: tuple
+    tokens_per_row: tuple
+    forward_s: float
+    prefill: bool = False
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def width(self) -> int:
+        return max(self.tokens_per_row, default=0)
 
 
 def as_token_array(ids, name: str) -> np.ndarray:
@@ -88,14 +153,20 @@ class _Context:
 
 
 class Drafter:
-    """Base class: request bookkeeping; subclasses implement ``_propose``.
+    """Base class: request bookkeeping and every hook's default; subclasses implement ``_propose``.
 
-    ``name`` labels this drafter's nodes in stats. ``observe_top_k`` > 0 asks the
-    engine for the target's top-k tokens at every verified node.
+    Class attributes a subclass may set:
+    ``name``: labels this drafter's nodes in stats.
+    ``observe_top_k``: > 0 asks the engine for the target's top-k tokens at every
+        fed node, through ``observe``.
+    ``accepts_documents``: True when ``add_documents`` works (``generate(documents=...)``).
+    ``needs_model``: True when the drafter drafts with the model (``attach_model``).
     """
 
     name = "drafter"
     observe_top_k = 0
+    accepts_documents = False
+    needs_model = False
 
     def __init__(self):
         self._contexts: dict[Hashable, _Context] = {}
@@ -118,20 +189,37 @@ class Drafter:
             return Draft.empty()
         return self._propose(request_id, budget)
 
-    def observe(self, request_id: Hashable, verify_output: VerifyOutput) -> None:
-        """Optional: learn from the target's predictions. Default: nothing."""
-
     def stop(self, request_id: Hashable) -> None:
         self._context(request_id)
         self._on_stop(request_id)
         del self._contexts[request_id]
 
-    def on_forward(self, num_tokens_fed: int, forward_s: float) -> None:
-        """Optional: the engine reports each target forward's size and time.
+    # ---- optional hooks, each with its default
+    def add_documents(self, request_id: Hashable, docs: Iterable, tokenizer=None) -> None:
+        """Documents (token-id sequences, or texts with ``tokenizer``) this request may draft from.
+
+        Default: ``ValueError``, since this drafter does not draft from documents
+        (``accepts_documents`` is False). Drafters that do override it.
+        """
+        raise ValueError(f"drafter {self.name!r} does not draft from documents; use one that does "
+                         f"(mixture, corpus) to pass documents=")
+
+    def observe(self, request_id: Hashable, verify_output: VerifyOutput) -> None:
+        """Learn from the target's predictions (called when ``observe_top_k`` > 0). Default: nothing."""
+
+    def on_forward(self, report: ForwardReport) -> None:
+        """The engine reports every target forward's size and time (``ForwardReport``).
 
         Drafters that size their trees from a live cost model (``mixture``)
         calibrate c(k) from these; the default ignores them.
         """
+
+    def attach_model(self, handle) -> None:
+        """Receive the engine's model handle (only called when ``needs_model`` is True).
+
+        Default: ``TypeError``: a drafter that declares ``needs_model`` must override it.
+        """
+        raise TypeError(f"drafter {self.name!r} declares needs_model but does not implement attach_model()")
 
     def warmup(self) -> None:
         """Compile kernels ahead of the first request (no-op when there are none)."""

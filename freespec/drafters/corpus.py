@@ -222,6 +222,7 @@ class CorpusDrafter(Drafter):
     """
 
     name = "corpus"
+    accepts_documents = True
 
     def __init__(self, corpus: Corpus | None = None, min_match: int | None = None, max_match: int | None = None,
                  max_occurrences: int = 32, max_request_tokens: int = 1 << 20):

@@ -50,7 +50,7 @@ from ..draft import Budget, Draft, merge
 from ..kernels.suffix_automaton import SuffixAutomaton
 from ..kernels.suffix_continuations import continuation_tree
 from ..kernels.suffix_match import advance_match, occurrence_ends
-from .base import Drafter, exercise
+from .base import Drafter, ForwardReport, exercise
 from .corpus import Corpus
 from .ngram_table import NgramTableDrafter
 from .suffix import SharedCorpus
@@ -203,7 +203,7 @@ class AcceptanceCalibrator:
 
 class _Request:
     __slots__ = ("own", "prompt_len", "shared_state", "shared_match_len", "shared_version", "documents",
-                 "last_draft", "last_kinds", "first_forward")
+                 "last_draft", "last_kinds")
 
     def __init__(self, own: SuffixAutomaton, prompt_len: int):
         self.own = own
@@ -212,7 +212,6 @@ class _Request:
         self.documents: Corpus | None = None
         self.last_draft: Draft | None = None  # what this request proposed last, and each node's kind
         self.last_kinds: list[tuple] = []
-        self.first_forward = True  # the next forward is the prefill
 
 
 class MixtureDrafter(Drafter):
@@ -234,6 +233,7 @@ class MixtureDrafter(Drafter):
     """
 
     name = "mixture"
+    accepts_documents = True
 
     def __init__(self, adaptive: bool = True, min_match: int = 2, max_depth: int = 64, min_prob: float = 0.1,
                  max_occurrences: int = 64, shared_corpus_tokens: int = 0, corpus_prompts: bool = False,
@@ -279,7 +279,6 @@ class MixtureDrafter(Drafter):
         self.cost_model = CostModel(prior_slope=float(prior_cost_slope))
         self.calibrator = AcceptanceCalibrator()
         self._requests: dict[Hashable, _Request] = {}
-        self._last_request: Hashable | None = None  # the request whose forward on_forward reports
 
     # ---------------------------------------------------------------- lifecycle
     def _on_start(self, request_id) -> None:
@@ -287,7 +286,6 @@ class MixtureDrafter(Drafter):
         own = SuffixAutomaton(2 * prompt_ids.size)
         own.extend(prompt_ids)
         self._requests[request_id] = _Request(own, prompt_ids.size)
-        self._last_request = request_id
         if self.ngram is not None:
             self.ngram.start(request_id, prompt_ids)
 
@@ -323,20 +321,16 @@ class MixtureDrafter(Drafter):
 
     def _on_stop(self, request_id) -> None:
         request = self._requests.pop(request_id)
-        if self._last_request == request_id:
-            self._last_request = None
         if self.ngram is not None:
             self.ngram.stop(request_id)
         if self.shared_corpus is not None:
             start = 0 if self.shared_corpus.include_prompts else request.prompt_len
             self.shared_corpus.add(request.own.tokens()[start:])
 
-    def on_forward(self, num_tokens_fed: int, forward_s: float) -> None:
-        request = self._requests.get(self._last_request)
-        if request is not None and request.first_forward:  # the prefill: its cost is the prompt's
-            request.first_forward = False
+    def on_forward(self, report: ForwardReport) -> None:
+        if report.prefill or report.batch_size != 1:  # a prefill's cost is the prompt's
             return
-        self.cost_model.add(int(num_tokens_fed), float(forward_s))
+        self.cost_model.add(report.width, report.forward_s)
 
     # ---------------------------------------------------------------- learning
     def _learn_outcome(self, draft: Draft, kinds: list[tuple], committed: np.ndarray) -> None:
@@ -391,7 +385,7 @@ class MixtureDrafter(Drafter):
 
     def _calibrated(self, source: str, match_len: int, draft: Draft) -> tuple[Draft, list[tuple], np.ndarray]:
         """The draft with calibrated path probabilities as scores, each node's kind and conditional probability."""
-        raw = np.ones(draft.num_nodes, np.float64) if draft.scores is None else draft.scores.astype(np.float64)
+        raw = np.ones(draft.num_nodes, np.float64) if draft.confidence is None else draft.confidence.astype(np.float64)
         path_probs = np.empty(draft.num_nodes, np.float64)
         conditionals = np.empty(draft.num_nodes, np.float64)
         depths = draft.depths()
@@ -408,7 +402,6 @@ class MixtureDrafter(Drafter):
 
     def _propose(self, request_id, budget: Budget) -> Draft:
         request = self._requests[request_id]
-        self._last_request = request_id
         calibrated = []
         for source, match_len, draft in self._source_drafts(request_id, request, budget):
             scored, kinds, path_probs = self._calibrated(source, match_len, draft)
@@ -422,12 +415,12 @@ class MixtureDrafter(Drafter):
             for i, parent in enumerate(scored.parents.tolist()):
                 path = (paths[parent] if parent >= 0 else ()) + (int(scored.token_ids[i]),)
                 paths.append(path)
-                if path not in kind_of or kind_of[path][0] < scored.scores[i]:
-                    kind_of[path] = (float(scored.scores[i]), kinds[i])
+                if path not in kind_of or kind_of[path][0] < scored.confidence[i]:
+                    kind_of[path] = (float(scored.confidence[i]), kinds[i])
         merged = merge([scored for _, scored, _ in calibrated]) if len(calibrated) > 1 else calibrated[0][1]
         in_depth = merged.depths() <= budget.max_depth  # a hard cap, whatever a source returned
-        order = sorted(np.nonzero(in_depth)[0].tolist(), key=lambda i: (-float(merged.scores[i]), i))  # parents first
-        num_nodes = self._choose_size(merged.scores[order], budget.num_nodes)
+        order = sorted(np.nonzero(in_depth)[0].tolist(), key=lambda i: (-float(merged.confidence[i]), i))  # parents first
+        num_nodes = self._choose_size(merged.confidence[order], budget.num_nodes)
         if num_nodes == 0:
             return Draft.empty()
         draft = merged.select(np.sort(np.asarray(order[:num_nodes], np.int64)))
