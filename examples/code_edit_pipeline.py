@@ -4,7 +4,7 @@
 
 Each request asks for one change to the file as the previous answer left it.
 One ``MixtureDrafter`` instance serves every call, with an opt-in shared
-corpus of earlier outputs (``shared_corpus_tokens``): later edits draft from
+corpus of earlier outputs (``history_tokens``): later edits draft from
 earlier versions as well as from their own prompt. Per turn: tau and whether
 the output is identical to plain greedy decoding.
 """
@@ -38,7 +38,7 @@ def main():
     model, tokenizer = models.load(args.model)
     code = textwrap.dedent(inspect.getsource(textwrap.TextWrapper._split_chunks)).replace("self, text", "text")
     code = code.replace("def _split_chunks(", "def split_chunks(width, ")
-    drafter = MixtureDrafter(shared_corpus_tokens=100_000)  # opt-in: requests see earlier outputs
+    drafter = MixtureDrafter(history_tokens=100_000)  # opt-in: requests see earlier outputs
     freespec.patch(model, drafter=drafter)
     for turn, edit in enumerate(EDITS, 1):
         messages = [{"role": "user", "content": f"{edit} Output the whole code.\n\n```python\n{code}```"}]

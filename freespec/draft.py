@@ -218,6 +218,13 @@ class Draft:
             None if self.is_candidate is None else self.is_candidate[nodes],
         )
 
+    def node_paths(self) -> list[tuple[int, ...]]:
+        """Token path from the root to every node: ``[-1, 0, 0] with tokens [5, 6, 8] -> [(5,), (5, 6), (5, 8)]``."""
+        paths: list[tuple[int, ...]] = []
+        for parent, token in zip(self.parents.tolist(), self.token_ids.tolist()):
+            paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+        return paths
+
     def paths(self) -> list[list[int]]:
         """Token path of every leaf: ``[-1, 0, 0] with tokens [5, 6, 8] -> [[5, 6], [5, 8]]``."""
         has_child = np.zeros(self.num_nodes, bool)

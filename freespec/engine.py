@@ -292,7 +292,7 @@ class SpeculativeDecoder:
     def _learn(self, state: DecodeState, draft: Draft, logits: torch.Tensor, acceptance: Acceptance,
                committed: list[int]) -> None:
         top_k = self.drafter.observe_top_k
-        if top_k and draft.num_nodes:
+        if top_k:
             topk = torch.topk(logits, k=min(top_k, logits.shape[-1]), dim=-1).indices.cpu().numpy()
             accepted = np.asarray(acceptance.accepted_nodes, np.int64)
             self.drafter.observe(state.request_id, VerifyOutput(draft, accepted, topk))

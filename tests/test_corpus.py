@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from freespec.draft import Budget
 from freespec.drafters import make
-from freespec.drafters.corpus import Corpus, CorpusDrafter
+from freespec.drafters.corpus import DocumentIndex, CorpusDrafter
 
 import naive_lookup
 
@@ -28,7 +28,7 @@ def doc_and_start(corpus_docs, starts):
 @FAST
 @given(small_docs, tails, st.integers(1, 3), st.integers(0, 4))
 def test_find_matches_naive(docs, tail, min_match, extra):
-    corpus = Corpus(min_match=min_match, max_match=min_match + extra)
+    corpus = DocumentIndex(min_match=min_match, max_match=min_match + extra)
     for doc in docs:
         corpus.add(np.asarray(doc, np.int64))
     match_len, starts = corpus.find(np.asarray(tail, np.int64))
@@ -40,7 +40,7 @@ def test_find_matches_naive(docs, tail, min_match, extra):
 @FAST
 @given(small_docs, tails, st.integers(1, 12), st.integers(1, 5))
 def test_draft_paths_continue_real_occurrences(docs, tail, num_nodes, max_depth):
-    corpus = Corpus(min_match=1, max_match=4)
+    corpus = DocumentIndex(min_match=1, max_match=4)
     for doc in docs:
         corpus.add(doc)
     drafter = CorpusDrafter(corpus, max_occurrences=3)
@@ -59,7 +59,7 @@ def test_large_token_ids_and_many_occurrences():
     rng = np.random.default_rng(0)
     doc = rng.integers(0, 200_000, 3000)
     doc[::10] = 151_000  # a frequent token: hundreds of occurrences
-    corpus = Corpus(min_match=1, max_match=6)
+    corpus = DocumentIndex(min_match=1, max_match=6)
     corpus.add(doc)
     match_len, starts = corpus.find(doc[500:506])
     assert match_len == 6 and doc[starts[0] : starts[0] + 6].tolist() == doc[500:506].tolist()
@@ -69,7 +69,7 @@ def test_large_token_ids_and_many_occurrences():
 
 
 def test_per_request_documents_do_not_leak_and_shared_corpus_does():
-    shared = Corpus()
+    shared = DocumentIndex()
     shared.add([40, 41, 42, 43], doc_key="readme")
     drafter = CorpusDrafter(shared)
     other = CorpusDrafter(shared)  # the same corpus object serves a second drafter
@@ -86,7 +86,7 @@ def test_per_request_documents_do_not_leak_and_shared_corpus_does():
 
 
 def test_longest_match_wins_between_request_and_shared_documents():
-    shared = Corpus(min_match=1)
+    shared = DocumentIndex(min_match=1)
     shared.add([3, 4, 5, 6])
     drafter = CorpusDrafter(shared)
     drafter.start(0, [2, 3, 4])
@@ -97,7 +97,7 @@ def test_longest_match_wins_between_request_and_shared_documents():
 
 
 def test_token_cap_replace_remove_and_text():
-    corpus = Corpus(max_tokens=10)
+    corpus = DocumentIndex(max_tokens=10)
     first = corpus.add([1, 2, 3, 4])
     corpus.add([5, 6, 7, 8], doc_key="b")
     corpus.add([9, 10, 11])  # 11 tokens: the oldest document goes
@@ -130,10 +130,10 @@ def test_token_cap_replace_remove_and_text():
 def test_bad_options_lifecycle_and_missing_dependency(monkeypatch):
     assert isinstance(make("corpus", max_occurrences=4), CorpusDrafter)
     for options in ({"min_match": 0}, {"min_match": 3, "max_match": 2}, {"max_occurrences": 0},
-                    {"max_request_tokens": 0}, {"corpus": [1, 2]}, {"corpus": Corpus(), "max_match": 5}):
+                    {"max_request_tokens": 0}, {"documents": [1, 2]}, {"documents": DocumentIndex(), "max_match": 5}):
         with pytest.raises(ValueError):
             CorpusDrafter(**options)
-    assert CorpusDrafter(Corpus(max_match=5)).max_match == 5
+    assert CorpusDrafter(DocumentIndex(max_match=5)).documents.max_match == 5
     drafter = CorpusDrafter()
     with pytest.raises(ValueError, match="start"):
         drafter.add_documents(0, [[1, 2]])
@@ -142,7 +142,7 @@ def test_bad_options_lifecycle_and_missing_dependency(monkeypatch):
     with pytest.raises(ValueError, match="1-D"):
         drafter.add_documents(0, [[[1, 2]]])
     monkeypatch.setitem(sys.modules, "ahocorasick", None)
-    corpus = Corpus()
+    corpus = DocumentIndex()
     corpus.add([1, 2, 3])
     with pytest.raises(ImportError, match="pip install pyahocorasick"):
         corpus.find([1, 2])

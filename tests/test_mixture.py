@@ -6,9 +6,9 @@ import pytest
 from freespec.draft import Budget, Draft
 from freespec.drafters import make
 from freespec.drafters.base import ForwardReport
-from freespec.drafters.corpus import Corpus
+from freespec.drafters.corpus import DocumentIndex
 from freespec.drafters.mixture import AcceptanceCalibrator, CostModel, MixtureDrafter
-from freespec.drafters.suffix import SharedCorpus
+from freespec.drafters.suffix import RequestHistory
 
 RNG = np.random.default_rng(7)
 TEXT = RNG.integers(10, 500, size=200).astype(np.int64)  # no repeats to speak of, then repeated below
@@ -51,10 +51,10 @@ def test_copies_a_repeat_whole():
 
 
 def test_dedup_across_sources_and_attribution():
-    shared = SharedCorpus(10_000)
-    documents = Corpus()
+    shared = RequestHistory(10_000)
+    documents = DocumentIndex()
     documents.add(TEXT)
-    drafter = MixtureDrafter(shared_corpus=shared, documents=documents, adaptive=False)
+    drafter = MixtureDrafter(history=shared, documents=documents, adaptive=False)
     drafter.start("old", PROMPT[:10])
     drafter.extend("old", TEXT[10:120])  # output: a later request finds TEXT in the shared corpus
     drafter.stop("old")
@@ -65,7 +65,7 @@ def test_dedup_across_sources_and_attribution():
     assert draft.paths().count(truth) == 1
     assert sum(1 for p, t in zip(draft.parents.tolist(), draft.token_ids.tolist()) if p == -1 and t == truth[0]) == 1
     assert len(draft.sources) == draft.num_nodes
-    assert set(draft.sources) <= {"suffix", "suffix-shared", "corpus"}
+    assert set(draft.sources) <= {"suffix", "history", "corpus"}
     # a source only the document corpus knows is attributed to it
     drafter.stop("r")
     doc_only = np.arange(1000, 1040)
@@ -102,7 +102,7 @@ def test_no_cross_request_state_by_default():
         assert not set(draft.token_ids.tolist()) & (set(TEXT[20:].tolist()) - set(TEXT[:20].tolist()))
         drafter.extend("b", [9999])
     drafter.stop("b")
-    assert drafter.shared_corpus is None and not drafter.ngram.shared
+    assert drafter.history is None and not drafter.ngram.shared
 
 
 def test_cost_model_fits_synthetic_timings():
@@ -161,7 +161,7 @@ def test_choose_size():
 
 def _run_steps(drafter, source_draft, truth_fn, num_steps, forward_s=lambda n: 0.05 * (1 + 0.06 * (n - 1))):
     """Drive the drafter with one fake source; return the draft sizes."""
-    drafter._source_drafts = lambda request_id, request, budget: [("suffix", 12, source_draft)]
+    drafter._source_drafts = lambda request_id, budget: [("suffix", 12, source_draft)]
     drafter.start("r", PROMPT)
     drafter.on_forward(ForwardReport(("r",), (len(PROMPT),), 1.0, prefill=True))  # ignored
     for _ in range(3):
@@ -196,8 +196,8 @@ def test_always_right_source_keeps_full_trees():
 
 def test_option_validation():
     for options in ({"adaptive": 1}, {"min_match": 0}, {"max_depth": 0}, {"min_prob": 1.5},
-                    {"shared_corpus_tokens": 1}, {"shared_corpus_tokens": -3}, {"shared_corpus": object()},
-                    {"shared_corpus": SharedCorpus(100), "shared_corpus_tokens": 100}, {"documents": [1, 2]},
+                    {"history_tokens": 1}, {"history_tokens": -3}, {"history": object()},
+                    {"history": RequestHistory(100), "history_tokens": 100}, {"documents": [1, 2]},
                     {"ngram": "yes"}, {"ngram_below": 0}, {"ngram_observe_top_k": -1}, {"prior_cost_slope": -1}):
         with pytest.raises(ValueError):
             MixtureDrafter(**options)

@@ -193,24 +193,16 @@ def test_budget_is_the_engines(tiny_llama):
 
     import freespec
 
-    class Spy(Drafter):
+    from test_contract import Wrapper
+
+    class Spy(Wrapper):
         def __init__(self, reference):
-            super().__init__()
-            self.oracle = OracleDrafter(reference, vocab_size=128)
+            super().__init__(OracleDrafter(reference, vocab_size=128))
             self.budgets = []
-
-        def _on_start(self, request_id):
-            self.oracle.start(request_id, self.context(request_id))
-
-        def _on_extend(self, request_id, ids):
-            self.oracle.extend(request_id, ids)
-
-        def _on_stop(self, request_id):
-            self.oracle.stop(request_id)
 
         def _propose(self, request_id, budget):
             self.budgets.append(budget)  # accept 2 tokens per step, whatever the budget
-            return self.oracle.propose(request_id, Budget(min(2, budget.num_nodes), min(2, budget.max_depth)))
+            return self.inner.propose(request_id, Budget(min(2, budget.num_nodes), min(2, budget.max_depth)))
 
     model = tiny_llama
     prompt = [1, 5, 9, 3]

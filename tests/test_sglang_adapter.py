@@ -17,7 +17,7 @@ import pytest
 from freespec import drafters
 from freespec.draft import Budget, Draft
 from freespec.drafters.base import Drafter
-from freespec.integrations.sglang import FreespecCorpus, enabled, options, to_sglang_tree
+from freespec.integrations.sglang import DraftServer, enabled, options, to_sglang_tree
 
 
 # ---------------------------------------------------------------- the contract
@@ -106,6 +106,14 @@ def test_chain_is_lower_triangle_of_ones():
     assert np.array_equal(mask, np.tril(np.ones((4, 4), np.int64)))
 
 
+def test_not_candidate_nodes_never_reach_sglang():
+    # root 4 -> 5 -> {6, [9] -> [3]}: 9 and 3 ride in freespec's forward only
+    draft = Draft(np.array([5, 6, 9, 3]), np.array([-1, 0, 0, 2]), is_candidate=np.array([1, 1, 0, 0], bool))
+    tokens, mask = to_sglang_tree(draft, 4, 5)
+    assert tokens.tolist() == [4, 5, 6, 0, 0]
+    assert mask.tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 1, 0], [1, 0, 0, 0, 1]]
+
+
 def test_empty_draft_is_all_padding_and_d1_is_root_only():
     tokens, mask = to_sglang_tree(Draft.empty(), 11, 3)
     assert tokens.tolist() == [11, 0, 0]
@@ -171,7 +179,7 @@ def recording(monkeypatch):
 
 
 def test_docstring_example_offered_then_incremental(recording):
-    corpus = FreespecCorpus(max_trie_depth=4, draft_token_num=5, drafter=recording)
+    corpus = DraftServer(max_trie_depth=4, draft_token_num=5, drafter=recording)
     corpus.offer_contexts([("r", [5, 6, 7, 8], [9, 1, 2])])
     corpus.batch_get(["r"], [[9, 1, 2, 3]], [8])
     assert corpus.drafter.context("r").tolist() == [5, 6, 7, 8, 9, 1, 2, 3]
@@ -182,7 +190,7 @@ def test_docstring_example_offered_then_incremental(recording):
 
 
 def test_tail_only_start_and_restart_on_mismatch(recording):
-    corpus = FreespecCorpus(max_trie_depth=4, draft_token_num=4, drafter=recording)
+    corpus = DraftServer(max_trie_depth=4, draft_token_num=4, drafter=recording)
     corpus.batch_get(["r"], [[1, 2, 3, 4]], [100])  # no offered context: the tail is all it knows
     assert corpus.drafter.context("r").tolist() == [1, 2, 3, 4]
     corpus.batch_get(["r"], [[9, 9, 5, 6]], [102])  # [9, 9] contradicts [3, 4]
@@ -194,7 +202,7 @@ def test_tail_only_start_and_restart_on_mismatch(recording):
 
 
 def test_erase_and_reset_stop_requests(recording):
-    corpus = FreespecCorpus(max_trie_depth=8, draft_token_num=4, drafter=recording)
+    corpus = DraftServer(max_trie_depth=8, draft_token_num=4, drafter=recording)
     corpus.batch_get(["a", "b"], [[1, 2], [3, 4]], [2, 2])
     first = corpus.drafter
     corpus.erase_match_state(["a", "unknown"])
@@ -211,7 +219,7 @@ def test_simulated_worker_keeps_contexts_in_sync(recording, seed):
     """Drive the corpus as NGRAMWorker does; each drafter context must be the true sequence."""
     rng = np.random.default_rng(seed)
     depth, d = int(rng.integers(2, 10)), int(rng.integers(2, 12))
-    corpus = FreespecCorpus(max_trie_depth=depth, draft_token_num=d, drafter=recording)
+    corpus = DraftServer(max_trie_depth=depth, draft_token_num=d, drafter=recording)
     sequences = {f"r{i}": list(rng.integers(0, 9, int(rng.integers(1, 40)))) for i in range(4)}
     offered_ok = {rid: bool(rng.integers(0, 2)) for rid in sequences}
     for _step in range(25):
@@ -248,7 +256,7 @@ def _buildable_drafters():
 def test_registered_drafters_meet_the_contract(name):
     rng = np.random.default_rng(1)
     d, depth = 10, 12
-    corpus = FreespecCorpus(max_trie_depth=depth, draft_token_num=d, drafter=name)
+    corpus = DraftServer(max_trie_depth=depth, draft_token_num=d, drafter=name)
     phrase = list(rng.integers(0, 20, 6))
     sequences = {"a": phrase * 4, "b": list(rng.integers(0, 20, 30))}
     corpus.offer_contexts([(rid, seq, []) for rid, seq in sequences.items()])
@@ -264,7 +272,7 @@ def test_registered_drafters_meet_the_contract(name):
 
 def test_prompt_lookup_drafts_from_the_offered_prompt():
     prompt = [50, 51, 52, 53, 54, 55, 56, 57] + list(range(100, 130)) + [50, 51]
-    corpus = FreespecCorpus(max_trie_depth=4, draft_token_num=6, drafter="prompt_lookup")
+    corpus = DraftServer(max_trie_depth=4, draft_token_num=6, drafter="prompt_lookup")
     corpus.offer_contexts([("r", prompt, [])])
     tokens, mask = corpus.batch_get(["r"], [prompt[-4:]], [len(prompt)])
     ((real_tokens, real_parents),) = check_sglang_tree(tokens, mask, [51], 6)
@@ -273,8 +281,8 @@ def test_prompt_lookup_drafts_from_the_offered_prompt():
 
 # ------------------------------------------------------------ external corpus
 def test_external_corpus_feeds_the_corpus_drafter():
-    corpus = FreespecCorpus(max_trie_depth=6, draft_token_num=5, drafter="corpus",
-                            drafter_options={"corpus": {"min_match": 2, "max_match": 4}})
+    corpus = DraftServer(max_trie_depth=6, draft_token_num=5, drafter="corpus",
+                            drafter_options={"documents": {"min_match": 2, "max_match": 4}})
     assert corpus.load_external_corpus_named("docs", [[1, 2, 3, 4, 5, 6], [7, 8]]) == 8
     corpus.commit_external_corpus_load("docs", 8)
     assert corpus.list_external_corpora() == {"docs": 8} and corpus.remaining_token_budget == 10000000 - 8
@@ -288,13 +296,13 @@ def test_external_corpus_feeds_the_corpus_drafter():
     corpus.remove_external_corpus("docs")
     assert corpus.list_external_corpora() == {}
     with pytest.raises(ValueError, match="budget"):
-        FreespecCorpus(drafter="corpus", drafter_options={"corpus": {}},
+        DraftServer(drafter="corpus", drafter_options={"documents": {}},
                        external_corpus_max_tokens=3).load_external_corpus_named("big", [[1, 2, 3, 4]])
 
 
 def test_external_corpus_needs_a_shared_corpus():
-    with pytest.raises(ValueError, match="no shared document corpus"):
-        FreespecCorpus(drafter="prompt_lookup").load_external_corpus_named("docs", [[1, 2, 3]])
+    with pytest.raises(ValueError, match="no shared document index"):
+        DraftServer(drafter="prompt_lookup").load_external_corpus_named("docs", [[1, 2, 3]])
 
 
 # ------------------------------------------------------------------ options
@@ -310,7 +318,7 @@ def test_options_from_file_env_and_flags(tmp_path, monkeypatch):
                    "FREESPEC_SGLANG_CONFIG": str(cfg.resolve())}
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    corpus = FreespecCorpus(draft_token_num=4)  # what a spawned scheduler process builds
+    corpus = DraftServer(draft_token_num=4)  # what a spawned scheduler process builds
     assert corpus.drafter_name == "prompt_lookup" and corpus.drafter.max_match == 9
 
 
@@ -333,7 +341,7 @@ def test_bad_drafter_options_and_missing_file(tmp_path):
     with pytest.raises(ValueError, match="cannot be read"):
         options.resolve(None, tmp_path / "missing.json")
     with pytest.raises(ValueError, match="bad drafter_options"):
-        FreespecCorpus(drafter="prompt_lookup", drafter_options={"no_such_option": 1})
+        DraftServer(drafter="prompt_lookup", drafter_options={"no_such_option": 1})
     with pytest.raises(ValueError, match="--freespec-drafter: drafter 'nope' is unknown"):
         options.resolve("nope")
 

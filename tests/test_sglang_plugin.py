@@ -215,7 +215,7 @@ def load_plugins_applies_hooks():
     from sglang.srt.speculative import ngram_worker
     from sglang.srt.speculative.cpp_ngram import ngram_corpus as cpp_module
 
-    from freespec.integrations.sglang import FreespecCorpus, hooks
+    from freespec.integrations.sglang import DraftServer, hooks
 
     original = ngram_worker.NgramCorpus
     _reset_plugin_loader()
@@ -227,8 +227,8 @@ def load_plugins_applies_hooks():
         del os.environ["SGLANG_PLUGINS"]
         del os.environ["FREESPEC_SGLANG"]
     assert hooks.installed()
-    assert ngram_worker.NgramCorpus is FreespecCorpus and hooks.original(hooks.NGRAM_CORPUS) is original
-    assert cpp_module.NgramCorpus is FreespecCorpus  # SGLang propagates a class REPLACE to importers
+    assert ngram_worker.NgramCorpus is DraftServer and hooks.original(hooks.NGRAM_CORPUS) is original
+    assert cpp_module.NgramCorpus is DraftServer  # SGLang propagates a class REPLACE to importers
     assert ServerArgs.add_cli_args.__wrapped__ is not None and ServerArgs.from_cli_args.__wrapped__ is not None
     assert ngram_worker.NGRAMWorker._prepare_draft_tokens.__wrapped__ is not None
     hooks.install()  # a second install registers nothing twice
@@ -297,11 +297,11 @@ def worker_prepares_drafts_through_the_plugin():
     from sglang.srt.speculative import ngram_worker
     from test_sglang_adapter import check_sglang_tree
 
-    from freespec.integrations.sglang import FreespecCorpus
+    from freespec.integrations.sglang import DraftServer
 
     d, depth = 6, 4
     worker = _worker(d, depth)
-    assert isinstance(worker.ngram_corpus, FreespecCorpus)
+    assert isinstance(worker.ngram_corpus, DraftServer)
     phrase = [50, 51, 52, 53, 54, 55, 56, 57]
     prompt_a = phrase + list(range(100, 130)) + [50]  # the match is far before the last `depth` tokens
     prompt_b = list(range(200, 210))
@@ -368,16 +368,16 @@ def worker_overlap_mode_keeps_contexts_in_sync():
 def same_format_as_sglang_cpp_corpus():
     from test_sglang_adapter import check_sglang_tree
 
-    from freespec.integrations.sglang import FreespecCorpus
+    from freespec.integrations.sglang import DraftServer
 
     cpp_class = _original_corpus()
-    assert cpp_class is not FreespecCorpus
+    assert cpp_class is not DraftServer
     d, depth = 8, 18
     try:
         cpp = cpp_class(max_trie_depth=depth, draft_token_num=d, max_bfs_breadth=4, capacity=100000)
     except Exception as exc:  # the C++ JIT build needs a compiler and tvm-ffi
         raise Skip(f"SGLang's C++ NgramCorpus cannot be built here: {type(exc).__name__}: {exc}") from None
-    ours = FreespecCorpus(max_trie_depth=depth, draft_token_num=d, drafter="prompt_lookup")
+    ours = DraftServer(max_trie_depth=depth, draft_token_num=d, drafter="prompt_lookup")
 
     # repeated text: both propose the same chain, the next d - 1 tokens of the period
     phrase = [11, 12, 13, 14, 15, 16, 17, 18, 19]

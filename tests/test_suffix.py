@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from freespec.draft import Budget
 from freespec.drafters import make
-from freespec.drafters.suffix import SharedCorpus, SuffixDrafter
+from freespec.drafters.suffix import RequestHistory, SuffixDrafter
 from freespec.kernels.suffix_automaton import SuffixAutomaton
 from freespec.kernels.suffix_continuations import continuation_tree
 from freespec.kernels.suffix_match import advance_match, occurrence_ends
@@ -199,15 +199,15 @@ def test_lifecycle_errors():
     for call in (lambda: drafter.extend("x", [1]), lambda: drafter.stop("x")):
         with pytest.raises(ValueError, match="not active"):
             call()
-    assert drafter._requests == {}
+    assert drafter.suffix._requests == {}
 
 
 @pytest.mark.parametrize("options, message", [
     ({"min_match": 0}, "min_match"), ({"max_depth": 0}, "max_depth"), ({"max_occurrences": 0}, "max_occurrences"),
     ({"min_prob": 1.5}, "min_prob"), ({"min_prob": "a"}, "min_prob"),
-    ({"shared_corpus_tokens": -1}, "shared_corpus"), ({"shared_corpus_tokens": 1}, "shared_corpus"),
-    ({"min_match": 2.5}, "min_match"), ({"min_match": True}, "min_match"), ({"corpus": 3}, "corpus"),
-    ({"corpus": SharedCorpus(10), "shared_corpus_tokens": 10}, "either"), ({"bogus": 1}, "bad drafter_options"),
+    ({"history_tokens": -1}, "history_tokens"), ({"history_tokens": 1}, "history_tokens"),
+    ({"min_match": 2.5}, "min_match"), ({"min_match": True}, "min_match"), ({"history": 3}, "history"),
+    ({"history": RequestHistory(10), "history_tokens": 10}, "either"), ({"bogus": 1}, "bad drafter_options"),
 ])
 def test_option_validation(options, message):
     with pytest.raises(ValueError, match=message):
@@ -215,8 +215,8 @@ def test_option_validation(options, message):
 
 
 def test_no_state_leaks_without_corpus_and_sharing_with_one():
-    shared = SharedCorpus(1000)
-    for drafter, drafts in ((SuffixDrafter(), False), (SuffixDrafter(corpus=shared), True)):
+    shared = RequestHistory(1000)
+    for drafter, drafts in ((SuffixDrafter(), False), (SuffixDrafter(history=shared), True)):
         drafter.start("a", [50, 51])
         drafter.extend("a", [1, 2, 3, 4, 5])
         drafter.stop("a")
@@ -224,14 +224,14 @@ def test_no_state_leaks_without_corpus_and_sharing_with_one():
         draft = drafter.propose("b", Budget(8, 8))
         assert draft.paths() == ([[3, 4, 5]] if drafts else [])
         drafter.stop("b")
-    other = SuffixDrafter(corpus=shared)  # a second drafter sees what the first one indexed
+    other = SuffixDrafter(history=shared)  # a second drafter sees what the first one indexed
     other.start("c", [7, 3, 4])
     assert other.propose("c", Budget(8, 8)).paths() == [[5]]
     assert 50 not in shared.automaton.tokens().tolist()  # prompts are not indexed by default
 
 
 def test_corpus_match_follows_corpus_changes():
-    drafter = SuffixDrafter(shared_corpus_tokens=100, corpus_prompts=True)
+    drafter = SuffixDrafter(history_tokens=100, history_prompts=True)
     drafter.start("live", [8, 8, 6])
     assert drafter.propose("live", Budget(4, 4)).num_nodes == 0
     drafter.start("done", [6, 7])  # finished while "live" runs: its match re-syncs
@@ -249,7 +249,7 @@ def test_corpus_match_follows_corpus_changes():
 @FAST
 @given(st.lists(st.integers(0, 30), max_size=25), st.integers(2, 40), st.booleans())
 def test_shared_corpus_eviction_is_bounded_fifo(doc_sizes, max_tokens, include_prompts):
-    corpus = SharedCorpus(max_tokens, include_prompts=include_prompts)
+    corpus = RequestHistory(max_tokens, include_prompts=include_prompts)
     added = []
     for i, size in enumerate(doc_sizes):
         doc = [i] * size
@@ -266,8 +266,8 @@ def test_shared_corpus_eviction_is_bounded_fifo(doc_sizes, max_tokens, include_p
 
 def test_warmup_and_registry():
     drafter = make("suffix", min_match=3)
-    assert isinstance(drafter, SuffixDrafter) and drafter.min_match == 3
+    assert isinstance(drafter, SuffixDrafter) and drafter.suffix.min_match == 3
     drafter.warmup()
-    assert drafter._requests == {}
+    assert drafter.suffix._requests == {}
     with pytest.raises(ValueError, match="max_tokens"):
-        SharedCorpus(1)
+        RequestHistory(1)

@@ -1,7 +1,7 @@
-"""Corpus lookup: draft what followed the context's tail in a set of documents.
+"""Document lookup: draft what followed the context's tail in a set of documents.
 
 For RAG (retrieved passages) and code editing (repository files), output
-copies spans of documents absent from the prompt. ``Corpus`` indexes every
+copies spans of documents absent from the prompt. ``DocumentIndex`` indexes every
 n-gram of ``min_match..max_match`` tokens of its documents as a word of a
 pyahocorasick trie (``KEY_SEQUENCE``: integer letters). A lookup tries the
 last ``max_match`` context tokens, then one fewer, ... down to ``min_match``,
@@ -10,7 +10,8 @@ node ``j`` owns ``starts[lo[j]:hi[j]]``, n-gram start offsets sorted by the
 ``max_match`` tokens from there, so an n-gram's occurrences are one slice
 (no per-word lists), grouped by what follows.
 
-Why exact ``get()`` per length and not Aho-Corasick ``iter()`` over the tail:
+The lookup is a trie, not an Aho-Corasick automaton. Why exact ``get()`` per
+length and not Aho-Corasick ``iter()`` over the tail:
 both find the longest match, but ``iter()`` needs ``make_automaton()``, whose
 failure links we measured at ~1 us per trie node (2 s per 100k tokens) to save
 at most ``max_match - min_match + 1`` short lookups. The trie is rebuilt
@@ -34,12 +35,14 @@ word): add documents as they will appear; matches resynchronize a few tokens in.
 from __future__ import annotations
 
 import itertools
-from typing import Hashable, Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import Hashable, NamedTuple
 
 import numpy as np
 
 from ..draft import Budget, Draft
 from .base import Drafter, as_token_array
+from .options import check_instance, check_int, check_match_range
 
 
 def _ahocorasick():
@@ -70,7 +73,7 @@ class _Index(NamedTuple):
     bits: int  # low bits per letter
 
 
-class Corpus:
+class DocumentIndex:
     """Token-id documents indexed for longest-tail lookup; share one across drafters and requests.
 
     ``max_tokens`` caps the indexed tokens: adding past it drops the oldest
@@ -79,13 +82,8 @@ class Corpus:
     """
 
     def __init__(self, min_match: int = 2, max_match: int = 8, max_tokens: int = 1 << 22):
-        if min_match < 1:
-            raise ValueError(f"min_match must be >= 1, got {min_match}")
-        if max_match < min_match:
-            raise ValueError(f"max_match must be >= min_match, got {max_match} < {min_match}")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        self.min_match, self.max_match, self.max_tokens = min_match, max_match, max_tokens
+        self.min_match, self.max_match = check_match_range(min_match, max_match)
+        self.max_tokens = check_int("max_tokens", max_tokens, 1)
         self._docs: dict[Hashable, np.ndarray] = {}  # insertion order = eviction order
         self._next_key = itertools.count()
         self.num_tokens = 0
@@ -109,9 +107,21 @@ class Corpus:
         """Tokenize ``text`` with ``tokenizer.encode(text, add_special_tokens=False)`` and add it."""
         return self.add(np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int64), doc_key)
 
+    def add_all(self, docs: Iterable, tokenizer=None) -> None:
+        """Add each document: 1-D token ids, or a text (needs ``tokenizer``)."""
+        if isinstance(docs, (str, bytes)) or not isinstance(docs, Iterable):
+            raise ValueError("documents must be a list of texts or of token-id sequences")
+        for doc in docs:
+            if isinstance(doc, str):
+                if tokenizer is None:
+                    raise ValueError("a text document needs tokenizer= (an object with encode())")
+                self.add_text(doc, tokenizer)
+            else:
+                self.add(doc)
+
     def remove(self, doc_key: Hashable) -> None:
         if doc_key not in self._docs:
-            raise ValueError(f"no document with key {doc_key!r} in the corpus")
+            raise ValueError(f"no document with key {doc_key!r} in the index")
         self.num_tokens -= self._docs.pop(doc_key).shape[0]
         self._index = None
 
@@ -151,13 +161,6 @@ class Corpus:
         doc_ends = index.doc_ends[np.searchsorted(index.doc_ends, starts, side="right")]  # [m]
         ends = np.minimum(doc_ends, begins + max_depth)
         return match_len, [index.tokens[b:e] for b, e in zip(begins.tolist(), ends.tolist()) if e > b]
-
-    def memory_bytes(self) -> int:
-        """Bytes held by the documents and the index (building it if needed)."""
-        index = self._built()
-        size = sum(d.nbytes for d in self._docs.values()) + sum(
-            a.nbytes for a in (index.tokens, index.doc_ends, index.starts, index.lo, index.hi))
-        return size + (index.trie.get_stats()["total_size"] if index.trie is not None else 0)
 
     def _built(self) -> _Index:
         if self._index is None:
@@ -206,16 +209,60 @@ class Corpus:
         return _Index(trie, tokens, doc_ends, starts, np.concatenate(lo), np.concatenate(hi), bits)
 
 
-class CorpusDrafter(Drafter):
-    """Drafts continuations of the context's tail found in documents.
+class DocumentSource:
+    """Documents a drafter drafts from: one shared ``DocumentIndex`` and one per request.
 
-    corpus: a shared ``Corpus`` seen by every request of this drafter (and by
-        any other drafter given the same object); None for none.
-    add_documents(request_id, docs): documents seen only by that request, dropped at stop().
-    min_match / max_match: match lengths of the per-request corpora; default the
-        shared corpus's, else 2 and 8; if given with a corpus they must equal its.
-    max_occurrences: merge the continuations of at most this many occurrences.
+    ``CorpusDrafter`` and ``MixtureDrafter`` compose one. Per-request documents
+    (``add``) are dropped at ``stop``; the shared index is seen by every request.
+    min_match / max_match: of the per-request indexes; default the shared
+        index's, else 2 and 8; if given with a shared index they must equal its.
+    max_occurrences: read the continuations of at most this many occurrences.
     max_request_tokens: token cap of each request's own documents.
+    """
+
+    def __init__(self, shared: DocumentIndex | None = None, min_match: int | None = None,
+                 max_match: int | None = None, max_occurrences: int = 32, max_request_tokens: int = 1 << 20):
+        self.shared = check_instance("documents", shared, DocumentIndex)
+        for name, value in (("min_match", min_match), ("max_match", max_match)):
+            if shared is not None and value is not None and value != getattr(shared, name):
+                raise ValueError(f"{name}={value} differs from the shared index's {getattr(shared, name)}")
+        default = shared if shared is not None else DocumentIndex()
+        self.min_match = default.min_match if min_match is None else min_match
+        self.max_match = default.max_match if max_match is None else max_match
+        self.max_occurrences = check_int("max_occurrences", max_occurrences, 1)
+        self.max_request_tokens = max_request_tokens
+        DocumentIndex(self.min_match, self.max_match, max_request_tokens)  # validates the options
+        self._per_request: dict[Hashable, DocumentIndex] = {}
+
+    def add(self, request_id: Hashable, docs: Iterable, tokenizer=None) -> None:
+        """Documents (1-D token ids, or texts with ``tokenizer``) seen only by this request."""
+        index = self._per_request.get(request_id)
+        if index is None:
+            index = DocumentIndex(self.min_match, self.max_match, self.max_request_tokens)
+        index.add_all(docs, tokenizer)
+        self._per_request[request_id] = index
+
+    def stop(self, request_id: Hashable) -> None:
+        self._per_request.pop(request_id, None)
+
+    def matches(self, request_id: Hashable, context: np.ndarray, max_depth: int) -> list[tuple[int, list]]:
+        """``(match_len, continuations)`` of each index (the request's, then the shared one) that matches."""
+        out = []
+        for index in (self._per_request.get(request_id), self.shared):
+            if index is not None and len(index):
+                match_len, found = index.continuations(context, max_depth, self.max_occurrences)
+                if found:
+                    out.append((match_len, found))
+        return out
+
+
+class CorpusDrafter(Drafter):
+    """Drafts continuations of the context's tail found in documents (a ``DocumentSource``).
+
+    documents: a shared ``DocumentIndex`` seen by every request of this drafter
+        (and by any other drafter given the same object); None for none.
+    add_documents(request_id, docs): documents seen only by that request, dropped at stop().
+    min_match, max_match, max_occurrences, max_request_tokens: as ``DocumentSource``'s.
 
     The longest match wins: when the shared and the request's documents both
     match, only those with the longer match draft (both on a tie).
@@ -224,55 +271,23 @@ class CorpusDrafter(Drafter):
     name = "corpus"
     accepts_documents = True
 
-    def __init__(self, corpus: Corpus | None = None, min_match: int | None = None, max_match: int | None = None,
-                 max_occurrences: int = 32, max_request_tokens: int = 1 << 20):
+    def __init__(self, documents: DocumentIndex | None = None, min_match: int | None = None,
+                 max_match: int | None = None, max_occurrences: int = 32, max_request_tokens: int = 1 << 20):
         super().__init__()
-        if corpus is not None and not isinstance(corpus, Corpus):
-            raise ValueError(f"corpus must be a freespec.drafters.corpus.Corpus, got {type(corpus).__name__}")
-        for name, value in (("min_match", min_match), ("max_match", max_match)):
-            if corpus is not None and value is not None and value != getattr(corpus, name):
-                raise ValueError(f"{name}={value} differs from the shared corpus's {getattr(corpus, name)}")
-        if max_occurrences < 1:
-            raise ValueError(f"max_occurrences must be >= 1, got {max_occurrences}")
-        default = corpus if corpus is not None else Corpus()
-        self.min_match = default.min_match if min_match is None else min_match
-        self.max_match = default.max_match if max_match is None else max_match
-        Corpus(self.min_match, self.max_match, max_request_tokens)  # validates the options
-        self.corpus = corpus
-        self.max_occurrences = max_occurrences
-        self.max_request_tokens = max_request_tokens
-        self._request_corpora: dict[Hashable, Corpus] = {}
+        self.documents = DocumentSource(documents, min_match, max_match, max_occurrences, max_request_tokens)
 
     def add_documents(self, request_id: Hashable, docs: Iterable, tokenizer=None) -> None:
-        """Add documents (1-D token ids, or texts with ``tokenizer``) seen only by this request."""
         self._context(request_id)
-        corpus = self._request_corpora.get(request_id)
-        if corpus is None:
-            corpus = self._request_corpora[request_id] = Corpus(self.min_match, self.max_match,
-                                                                 self.max_request_tokens)
-        for doc in docs:
-            if isinstance(doc, str):
-                if tokenizer is None:
-                    raise ValueError("a text document needs tokenizer= (an object with encode())")
-                corpus.add_text(doc, tokenizer)
-            else:
-                corpus.add(doc)
+        self.documents.add(request_id, docs, tokenizer)
 
     def _on_stop(self, request_id) -> None:
-        self._request_corpora.pop(request_id, None)
+        self.documents.stop(request_id)
 
     def _propose(self, request_id, budget: Budget) -> Draft:
-        context = self.context(request_id)
-        best_len, continuations = 0, []
-        for corpus in (self._request_corpora.get(request_id), self.corpus):
-            if corpus is None or len(corpus) == 0:
-                continue
-            match_len, found = corpus.continuations(context, budget.max_depth, self.max_occurrences)
-            if match_len > best_len and found:
-                best_len, continuations = match_len, found
-            elif match_len == best_len and found:
-                continuations += found
-        if not continuations:
+        matches = self.documents.matches(request_id, self.context(request_id), budget.max_depth)
+        if not matches:
             return Draft.empty()
+        best_len = max(match_len for match_len, _ in matches)
+        continuations = [c for match_len, found in matches if match_len == best_len for c in found]
         return Draft.from_sequences(continuations, num_nodes=budget.num_nodes, max_depth=budget.max_depth,
                                     source=self.name)

@@ -40,6 +40,7 @@ import numpy as np
 
 from ..draft import Budget, Draft
 from .base import Drafter, VerifyOutput
+from .options import check_bool, check_int, check_number
 
 _TOKEN = struct.Struct("=i")  # keys are native int32 bytes, as ndarray.tobytes() of an int32 context
 
@@ -105,17 +106,15 @@ class NgramTableDrafter(Drafter):
     def __init__(self, min_n: int = 1, max_n: int = 4, max_entries: int = 250_000, max_next: int = 8,
                  min_prob: float = 0.05, observe_top_k: int = 8, model_weight: float = 0.25, shared: bool = True):
         super().__init__()
-        if not 1 <= min_n <= max_n:
+        min_n, max_n = check_int("min_n", min_n, 1), check_int("max_n", max_n, 1)
+        if max_n < min_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-        if max_entries < 1 or max_next < 1:
-            raise ValueError(f"max_entries and max_next must be >= 1, got {max_entries}, {max_next}")
-        if not 0.0 < min_prob <= 1.0:
-            raise ValueError(f"min_prob must be in (0, 1], got {min_prob}")
-        if observe_top_k < 0 or model_weight < 0:
-            raise ValueError(f"observe_top_k and model_weight must be >= 0, got {observe_top_k}, {model_weight}")
-        self.min_n, self.max_n, self.max_entries, self.max_next = min_n, max_n, max_entries, max_next
-        self.min_prob, self.observe_top_k, self.model_weight = min_prob, observe_top_k, model_weight
-        self.shared = shared
+        self.min_n, self.max_n = min_n, max_n
+        self.max_entries, self.max_next = check_int("max_entries", max_entries, 1), check_int("max_next", max_next, 1)
+        self.min_prob = check_number("min_prob", min_prob, 0.0, 1.0, low_open=True)
+        self.observe_top_k = check_int("observe_top_k", observe_top_k, 0)
+        self.model_weight = check_number("model_weight", model_weight, 0.0)
+        self.shared = check_bool("shared", shared)
         self.table = NgramTable(min_n, max_n, max_entries, max_next) if shared else None
         self._request_tables: dict[Hashable, NgramTable] = {}
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..draft import Budget, Draft
 from .base import Drafter
+from .options import check_int, check_match_range
 
 
 def longest_match_ends(context: np.ndarray, max_match: int) -> tuple[int, np.ndarray]:
@@ -54,15 +55,8 @@ class PromptLookupDrafter(Drafter):
 
     def __init__(self, min_match: int = 2, max_match: int = 32, max_occurrences: int = 32):
         super().__init__()
-        if min_match < 1:
-            raise ValueError(f"min_match must be >= 1, got {min_match}")
-        if max_match < min_match:
-            raise ValueError(f"max_match must be >= min_match, got {max_match} < {min_match}")
-        if max_occurrences < 1:
-            raise ValueError(f"max_occurrences must be >= 1, got {max_occurrences}")
-        self.min_match = min_match
-        self.max_match = max_match
-        self.max_occurrences = max_occurrences
+        self.min_match, self.max_match = check_match_range(min_match, max_match)
+        self.max_occurrences = check_int("max_occurrences", max_occurrences, 1)
 
     def _propose(self, request_id, budget: Budget) -> Draft:
         context = self.context(request_id)

@@ -1,22 +1,23 @@
-"""Suffix drafter: continuations of the longest earlier match, from a suffix automaton.
+"""Suffix drafting: continuations of the longest earlier match, from suffix automata.
 
-Each request has its own automaton over its prompt + output, extended by the
-accepted tokens (amortized O(1) per token). Its longest suffix seen before is
-known after every append; the occurrences of that suffix and what followed
-them become a frequency-weighted tree (``kernels.suffix_continuations``).
-Opt in to a ``SharedCorpus`` and finished requests' outputs (and prompts, if
-asked) are indexed too; a live request keeps its match against the corpus and
-advances it by the new tokens only. Both drafts are merged, the longer match
-first (it wins ties when the budget prunes).
+``SuffixSource`` is the component: each live request has its own automaton
+over its prompt + output, extended by the accepted tokens (amortized O(1) per
+token), whose longest suffix seen before is known after every append; the
+occurrences of that suffix and what followed them become a frequency-weighted
+tree (``kernels.suffix_continuations``). Opt in to a ``RequestHistory`` and
+finished requests' outputs (and prompts, if asked) are indexed too; a live
+request keeps its match against the history and advances it by the new
+tokens only. ``SuffixDrafter`` (here) and ``MixtureDrafter`` both compose one.
 
 Worked example, ``min_match=2``: context ``[7, 1, 2, 3, 9, 1, 2, 4, 1, 2]``;
 the longest earlier match is ``[1, 2]`` (ends 2 and 6), so the draft is
-``3 -> 9`` beside ``4 -> 1``, each branch scored 0.5.
+``3 -> 9`` beside ``4 -> 1``, each branch with confidence 0.5.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import Hashable
 
 import numpy as np
 
@@ -25,21 +26,18 @@ from ..kernels.suffix_automaton import SuffixAutomaton
 from ..kernels.suffix_continuations import continuation_tree
 from ..kernels.suffix_match import advance_match, occurrence_ends
 from .base import Drafter, as_token_array, exercise
+from .options import check_bool, check_instance, check_int, check_number
 
-_RESYNC_TOKENS = 1024  # after the corpus changes, a live request re-matches this many tail tokens
-_LOW_WATER = 0.75  # an eviction frees the corpus down to this fraction, so rebuilds are amortized
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+_RESYNC_TOKENS = 1024  # after the history changes, a live request re-matches this many tail tokens
+_LOW_WATER = 0.75  # an eviction frees the history down to this fraction, so rebuilds are amortized
 
 
-class SharedCorpus:
+class RequestHistory:
     """Finished requests' tokens, indexed by one suffix automaton, at most ``max_tokens``.
 
     FIFO eviction by token count (separators count as one token per document):
     when a new document does not fit, the oldest documents are dropped until
-    the corpus holds at most 3/4 of ``max_tokens``, and the automaton is rebuilt
+    the history holds at most 3/4 of ``max_tokens``, and the automaton is rebuilt
     from what is left; so rebuilds re-index at most ~3 tokens per added token, amortized.
     Memory: ~92 bytes per indexed token used, 110-160 allocated (``nbytes``;
     measured on Python source split into words and symbols, 8k to 1M tokens).
@@ -47,10 +45,8 @@ class SharedCorpus:
     """
 
     def __init__(self, max_tokens: int, include_prompts: bool = False):
-        if not _is_int(max_tokens) or max_tokens < 2:
-            raise ValueError(f"max_tokens must be an int >= 2, got {max_tokens!r}")
-        self.max_tokens = int(max_tokens)
-        self.include_prompts = bool(include_prompts)
+        self.max_tokens = check_int("max_tokens", max_tokens, 2)
+        self.include_prompts = check_bool("include_prompts", include_prompts)
         self.automaton = SuffixAutomaton()
         self.version = 0  # bumped on every change: live matches must re-sync
         self._doc_lengths: deque[int] = deque()  # oldest first; the text itself is the automaton's
@@ -92,101 +88,147 @@ class SharedCorpus:
         return self.automaton.nbytes
 
 
+class _Match:
+    """A live request's match against the history: ``(state, match_len)`` at ``version``."""
+
+    __slots__ = ("state", "match_len", "version")
+
+    def __init__(self):
+        self.state, self.match_len, self.version = 0, 0, -1
+
+
 class _Request:
-    __slots__ = ("own", "prompt_len", "corpus_state", "corpus_match_len", "corpus_version")
+    __slots__ = ("own", "prompt_len", "history_match")
 
     def __init__(self, own: SuffixAutomaton, prompt_len: int):
-        self.own = own
-        self.prompt_len = prompt_len
-        self.corpus_state, self.corpus_match_len, self.corpus_version = 0, 0, -1
+        self.own, self.prompt_len, self.history_match = own, prompt_len, _Match()
 
 
-class SuffixDrafter(Drafter):
-    """Suffix-automaton lookup over the request's own text, and optionally a shared corpus.
+class SuffixSource:
+    """Per-request suffix automata (and an optional shared ``RequestHistory``) that drafters compose.
 
     min_match: propose nothing from a source whose longest match is shorter.
     max_depth: no path longer than this (the budget may cut it shorter).
     min_prob: drop nodes whose estimated probability (count / occurrences) is lower.
     max_occurrences: read the continuations of at most this many occurrences per source.
-    shared_corpus_tokens: > 0 builds a private ``SharedCorpus`` of that many tokens (0 = off).
-    corpus_prompts: with ``shared_corpus_tokens``, index prompts as well as outputs.
-    corpus: a ``SharedCorpus`` to share with other drafters (instead of ``shared_corpus_tokens``).
+    history: a ``RequestHistory`` of finished requests (None: nothing crosses requests).
 
     Cost (measured, 8k-token context of Python source, budget 24 nodes / depth 12):
-    propose + extend ~0.03-0.09 ms per step on the own index, ~0.1-0.3 ms with a
-    1M-token corpus; a corpus change costs a re-match of the last 1024 tokens.
+    drafts + extend ~0.03-0.09 ms per step on the own index, ~0.1-0.3 ms with a
+    1M-token history; a history change costs a re-match of the last 1024 tokens.
+    """
+
+    def __init__(self, min_match: int = 2, max_depth: int = 64, min_prob: float = 0.1, max_occurrences: int = 64,
+                 history: RequestHistory | None = None):
+        self.min_match = check_int("min_match", min_match, 1)
+        self.max_depth = check_int("max_depth", max_depth, 1)
+        self.min_prob = check_number("min_prob", min_prob, 0.0, 1.0)
+        self.max_occurrences = check_int("max_occurrences", max_occurrences, 1)
+        self.history = check_instance("history", history, RequestHistory)
+        self._requests: dict[Hashable, _Request] = {}
+
+    def start(self, request_id: Hashable, prompt_ids: np.ndarray) -> None:
+        own = SuffixAutomaton(2 * prompt_ids.size)
+        own.extend(prompt_ids)
+        self._requests[request_id] = _Request(own, prompt_ids.size)
+
+    def extend(self, request_id: Hashable, ids: np.ndarray) -> None:
+        request = self._requests[request_id]
+        request.own.extend(ids)
+        match = request.history_match
+        if self.history is not None and match.version == self.history.version:
+            match.state, match.match_len = advance_match(self.history.automaton, match.state, match.match_len, ids)
+
+    def stop(self, request_id: Hashable) -> None:
+        """Forget the request; with a history, index its text there."""
+        request = self._requests.pop(request_id)
+        if self.history is not None:
+            start = 0 if self.history.include_prompts else request.prompt_len
+            self.history.add(request.own.tokens()[start:])
+
+    def drafts(self, request_id: Hashable, budget: Budget) -> list[tuple[str, int, Draft]]:
+        """``(source, match_len, draft)`` per source matching ``min_match`` tokens or more.
+
+        Sources: ``"suffix"`` (the request's own text), ``"history"`` (earlier
+        requests). Each draft's confidence is the frequency of its path among
+        the match's occurrences; nodes are labelled with their source.
+        """
+        request = self._requests[request_id]
+        depth = min(self.max_depth, budget.max_depth)
+        state, match_len = request.own.repeated_suffix()
+        out = [("suffix", match_len, request.own, state)]
+        if self.history is not None:
+            match = request.history_match
+            if match.version != self.history.version:  # re-match the tail once per history change
+                match.state, match.match_len = advance_match(
+                    self.history.automaton, 0, 0, request.own.tokens()[-_RESYNC_TOKENS:])
+                match.version = self.history.version
+            out.append(("history", match.match_len, self.history.automaton, match.state))
+        drafts = []
+        for source, match_len, automaton, state in out:
+            if match_len >= self.min_match:
+                ends = occurrence_ends(automaton, state, self.max_occurrences)
+                token_ids, parents, confidence = continuation_tree(
+                    automaton.tokens(), ends, depth, budget.num_nodes, self.min_prob)
+                if token_ids.size:
+                    drafts.append((source, match_len, Draft(token_ids, parents, confidence, (source,) * token_ids.size)))
+        return drafts
+
+
+class SuffixDrafter(Drafter):
+    """Suffix-automaton lookup over the request's own text, and optionally earlier requests.
+
+    min_match, max_depth, min_prob, max_occurrences: as ``SuffixSource``'s.
+    history_tokens: > 0 builds a private ``RequestHistory`` of that many tokens (0 = off).
+    history_prompts: with ``history_tokens``, index prompts as well as outputs.
+    history: a ``RequestHistory`` to share with other drafters (instead of ``history_tokens``).
+
+    Both sources' trees are merged, the longer match first (it wins ties when
+    the budget prunes).
     """
 
     name = "suffix"
 
     def __init__(self, min_match: int = 2, max_depth: int = 64, min_prob: float = 0.1,
-                 max_occurrences: int = 64, shared_corpus_tokens: int = 0, corpus_prompts: bool = False,
-                 corpus: SharedCorpus | None = None):
+                 max_occurrences: int = 64, history_tokens: int = 0, history_prompts: bool = False,
+                 history: RequestHistory | None = None):
         super().__init__()
-        int_options = {"min_match": min_match, "max_depth": max_depth, "max_occurrences": max_occurrences}
-        for option, value in int_options.items():
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{option} must be an int >= 1, got {value!r}")
-        if not _is_int(shared_corpus_tokens) or shared_corpus_tokens < 0 or shared_corpus_tokens == 1:
-            raise ValueError(f"shared_corpus_tokens must be 0 (off) or an int >= 2, got {shared_corpus_tokens!r}")
-        if not isinstance(min_prob, (int, float)) or not 0.0 <= min_prob <= 1.0:
-            raise ValueError(f"min_prob must be a number in [0, 1], got {min_prob!r}")
-        if corpus is not None and not isinstance(corpus, SharedCorpus):
-            raise ValueError(f"corpus must be a SharedCorpus, got {type(corpus).__name__}")
-        if corpus is not None and shared_corpus_tokens:
-            raise ValueError("pass either corpus= (shared) or shared_corpus_tokens= (private), not both")
-        self.min_match, self.max_depth, self.min_prob = int(min_match), int(max_depth), float(min_prob)
-        self.max_occurrences = int(max_occurrences)
-        if shared_corpus_tokens:
-            corpus = SharedCorpus(shared_corpus_tokens, include_prompts=corpus_prompts)
-        self.corpus = corpus
-        self._requests: dict = {}
+        history = resolve_history(history_tokens, history_prompts, history)
+        self.suffix = SuffixSource(min_match, max_depth, min_prob, max_occurrences, history)
 
-    # ---------------------------------------------------------------- lifecycle
+    @property
+    def history(self) -> RequestHistory | None:
+        return self.suffix.history
+
     def _on_start(self, request_id) -> None:
-        prompt_ids = self.context(request_id)
-        own = SuffixAutomaton(2 * prompt_ids.size)
-        own.extend(prompt_ids)
-        self._requests[request_id] = _Request(own, prompt_ids.size)
+        self.suffix.start(request_id, self.context(request_id))
 
     def _on_extend(self, request_id, ids: np.ndarray) -> None:
-        request = self._requests[request_id]
-        request.own.extend(ids)
-        if self.corpus is not None and request.corpus_version == self.corpus.version:
-            request.corpus_state, request.corpus_match_len = advance_match(
-                self.corpus.automaton, request.corpus_state, request.corpus_match_len, ids)
+        self.suffix.extend(request_id, ids)
 
     def _on_stop(self, request_id) -> None:
-        request = self._requests.pop(request_id)
-        if self.corpus is not None:
-            start = 0 if self.corpus.include_prompts else request.prompt_len
-            self.corpus.add(request.own.tokens()[start:])
+        self.suffix.stop(request_id)
 
-    # ---------------------------------------------------------------- drafting
     def _propose(self, request_id, budget: Budget) -> Draft:
-        request = self._requests[request_id]
-        state, match_len = request.own.repeated_suffix()
-        sources = [(match_len, self._draft(request.own, state, match_len, budget))]
-        if self.corpus is not None:
-            if request.corpus_version != self.corpus.version:  # re-match the tail once per corpus change
-                request.corpus_state, request.corpus_match_len = advance_match(
-                    self.corpus.automaton, 0, 0, self.context(request_id)[-_RESYNC_TOKENS:])
-                request.corpus_version = self.corpus.version
-            sources.append((request.corpus_match_len, self._draft(
-                self.corpus.automaton, request.corpus_state, request.corpus_match_len, budget)))
-        drafts = [draft for _, draft in sorted(sources, key=lambda s: -s[0]) if draft.num_nodes]
+        drafts = [draft for _, _, draft in sorted(self.suffix.drafts(request_id, budget), key=lambda s: -s[1])]
         if len(drafts) <= 1:
             return drafts[0] if drafts else Draft.empty()
         return merge(drafts, num_nodes=budget.num_nodes)
 
-    def _draft(self, automaton: SuffixAutomaton, state: int, match_len: int, budget: Budget) -> Draft:
-        if match_len < self.min_match:
-            return Draft.empty()
-        ends = occurrence_ends(automaton, state, self.max_occurrences)
-        token_ids, parents, scores = continuation_tree(
-            automaton.tokens(), ends, min(self.max_depth, budget.max_depth), budget.num_nodes, self.min_prob)
-        return Draft(token_ids, parents, scores, (self.name,) * token_ids.size)
-
     def warmup(self) -> None:
         """Compile the kernels (cached on disk after the first process) on a tiny request."""
-        exercise(SuffixDrafter(min_match=1, shared_corpus_tokens=64))
+        exercise(SuffixDrafter(min_match=1, history_tokens=64))
+
+
+def resolve_history(history_tokens, history_prompts, history) -> RequestHistory | None:
+    """The history a drafter's options ask for: a new private one, the shared one given, or none."""
+    history_tokens = check_int("history_tokens", history_tokens, 0)
+    if history_tokens == 1:
+        raise ValueError("history_tokens must be 0 (off) or an int >= 2, got 1")
+    check_bool("history_prompts", history_prompts)
+    check_instance("history", history, RequestHistory)
+    if history is not None and history_tokens:
+        raise ValueError("pass either history= (shared) or history_tokens= (private), not both")
+    if history_tokens:
+        return RequestHistory(history_tokens, include_prompts=history_prompts)
+    return history

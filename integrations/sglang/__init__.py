@@ -12,7 +12,7 @@ exported by the launcher, enable it in the processes it spawns)::
 Enabled, it checks the SGLang version and every hook target, and fails the
 process with ``SystemExit`` naming what is missing: a user who asked for
 freespec never gets plain NGRAM instead without knowing. See ``hooks.py`` for
-what is patched and ``corpus.py`` for how drafts become SGLang's tree.
+what is patched and ``draft_server.py`` for how drafts become SGLang's tree.
 Nothing here imports sglang until the plugin is enabled.
 """
 
@@ -23,7 +23,7 @@ import os
 import sys
 
 from . import options
-from .corpus import FreespecCorpus, to_sglang_tree
+from .draft_server import DraftServer, to_sglang_tree
 
 logger = logging.getLogger(__name__)
 
@@ -62,4 +62,4 @@ def unregister() -> None:
     hooks.uninstall()
 
 
-__all__ = ["FreespecCorpus", "enabled", "options", "register", "to_sglang_tree", "unregister"]
+__all__ = ["DraftServer", "enabled", "options", "register", "to_sglang_tree", "unregister"]

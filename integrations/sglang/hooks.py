@@ -7,7 +7,7 @@ registers with ``sglang.srt.plugins.hook_registry.HookRegistry``:
 |---|---|---|
 | ``ServerArgs.add_cli_args`` | AFTER | adds ``--freespec-drafter`` and ``--freespec-config`` |
 | ``ServerArgs.from_cli_args`` | AROUND | checks them, exports them to env vars, drops them (ServerArgs has no such fields) |
-| ``ngram_worker.NgramCorpus`` | REPLACE | the NGRAM worker builds ``FreespecCorpus`` instead |
+| ``ngram_worker.NgramCorpus`` | REPLACE | the NGRAM worker builds ``DraftServer`` instead |
 | ``NGRAMWorker._prepare_draft_tokens`` | BEFORE | hands the corpus each request's full prompt + output (read only when a request starts) |
 
 SGLang applies registered hooks right after running the plugins
@@ -24,7 +24,7 @@ import pkgutil
 import sys
 
 from . import options as plugin_options
-from .corpus import FreespecCorpus
+from .draft_server import DraftServer
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def resolve_target(target: str):
 
 def check_corpus_interface(original) -> None:
     """SGLang's corpus must take only keywords ours takes and have the methods its worker calls."""
-    ours = inspect.signature(FreespecCorpus.__init__).parameters
+    ours = inspect.signature(DraftServer.__init__).parameters
     for name in list(inspect.signature(original.__init__).parameters)[1:]:
         if name not in ours:
             raise IncompatibleSGLang(f"hook target {NGRAM_CORPUS}: its constructor takes {name!r}, which "
@@ -142,7 +142,7 @@ def from_cli_args_around(original, cls, args: argparse.Namespace):
     config_path = getattr(args, "freespec_config", None)
     if drafter is not None or config_path is not None:
         resolved = plugin_options.resolve(drafter, config_path)
-        from .corpus import build_drafter
+        from .draft_server import build_drafter
 
         build_drafter(resolved.drafter, resolved.drafter_options)  # bad options fail here, not in a subprocess
         if getattr(args, "speculative_algorithm", None) != "NGRAM":
@@ -154,7 +154,7 @@ def from_cli_args_around(original, cls, args: argparse.Namespace):
 def prepare_draft_tokens_before(worker, batch, *args, **kwargs):
     """BEFORE ``NGRAMWorker._prepare_draft_tokens(batch)``: offer the corpus every request's full context."""
     corpus = getattr(worker, "ngram_corpus", None)
-    if isinstance(corpus, FreespecCorpus):
+    if isinstance(corpus, DraftServer):
         corpus.offer_contexts((req.rid, req.origin_input_ids, req.output_ids) for req in batch.reqs)
     return None
 
@@ -170,7 +170,7 @@ def install() -> None:
 
     HookRegistry.register(ADD_CLI_ARGS, add_cli_args_after, HookType.AFTER)
     HookRegistry.register(FROM_CLI_ARGS, from_cli_args_around, HookType.AROUND)
-    HookRegistry.register(NGRAM_CORPUS, FreespecCorpus, HookType.REPLACE)
+    HookRegistry.register(NGRAM_CORPUS, DraftServer, HookType.REPLACE)
     HookRegistry.register(PREPARE_DRAFT_TOKENS, prepare_draft_tokens_before, HookType.BEFORE)
     _originals.update(resolved)
     logger.info("freespec: SGLang hooks registered (%s)", ", ".join(TARGETS))
@@ -191,7 +191,7 @@ def uninstall() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    ours = {add_cli_args_after, from_cli_args_around, FreespecCorpus, prepare_draft_tokens_before}
+    ours = {add_cli_args_after, from_cli_args_around, DraftServer, prepare_draft_tokens_before}
     for target, (owner, attribute, raw) in _originals.items():
         HookRegistry._hooks[target] = [h for h in HookRegistry._hooks.get(target, []) if h[1] not in ours]
         if not HookRegistry._hooks[target]:

@@ -1,4 +1,4 @@
-"""FreespecCorpus: SGLang's NGRAM draft source, served by a freespec drafter.
+"""DraftServer: SGLang's NGRAM draft source, served by a freespec drafter.
 
 SGLang's ``NGRAMWorker`` asks its corpus, each decode step, for exactly
 ``D = --speculative-num-draft-tokens`` nodes per request (``batch_get``), and
@@ -63,7 +63,8 @@ def to_sglang_tree(
 ) -> tuple[np.ndarray, np.ndarray]:
     """A draft as SGLang's ``D``-node tree: (token_ids [D], mask [D, D]), int64.
 
-    A draft of more than ``D - 1`` nodes is pruned by score (``Draft.prune``).
+    Not-candidate nodes (a lookahead window) are dropped; a draft of more than
+    ``D - 1`` nodes is pruned by confidence (``Draft.prune``).
     ``to_sglang_tree(Draft([5, 6, 8, 7], [-1, 0, 0, 1]), 4, 6)`` (root 4) gives
     token_ids ``[4, 5, 6, 8, 7, 0]`` and mask rows ``{0}, {0,1}, {0,1,2},
     {0,1,3}, {0,1,2,4}, {0,5}``: BFS order puts ``8`` (depth 2) before ``7``
@@ -72,6 +73,7 @@ def to_sglang_tree(
     num_slots = num_draft_tokens - 1
     if num_slots < 0:
         raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    draft = draft.candidates()  # SGLang verifies candidates only: not-candidate nodes cannot go there
     if draft.num_nodes > num_slots:
         draft = draft.prune(num_slots)
     draft.validate()
@@ -108,19 +110,19 @@ def _lines_up(known_ids: np.ndarray, tail_ids: np.ndarray) -> bool:
 
 
 def build_drafter(name: str, drafter_options: dict):
-    """``drafters.make(name, **drafter_options)``; a dict under ``"corpus"`` becomes a shared ``Corpus``."""
+    """``drafters.make(name, **drafter_options)``; a dict under ``"documents"`` becomes a shared ``DocumentIndex``."""
     drafter_options = dict(drafter_options)
-    if isinstance(drafter_options.get("corpus"), dict):
-        from freespec.drafters.corpus import Corpus
+    if isinstance(drafter_options.get("documents"), dict):
+        from freespec.drafters.corpus import DocumentIndex
 
         try:
-            drafter_options["corpus"] = Corpus(**drafter_options["corpus"])
+            drafter_options["documents"] = DocumentIndex(**drafter_options["documents"])
         except TypeError as exc:
-            raise ValueError(f"bad drafter_options['corpus'] for {name!r}: {exc}") from None
+            raise ValueError(f"bad drafter_options['documents'] for {name!r}: {exc}") from None
     return drafters.make(name, **drafter_options)
 
 
-class FreespecCorpus:
+class DraftServer:
     """Drop-in for ``sglang.srt.speculative.cpp_ngram.ngram_corpus.NgramCorpus``.
 
     The constructor takes the same keywords as SGLang's; ``draft_token_num``
@@ -294,11 +296,14 @@ class FreespecCorpus:
         self._requests[req_id] = _Request(total_len, context[-self.max_trie_depth:].copy())
 
     def _shared_corpus(self):
-        shared = getattr(self.drafter, "corpus", None)
-        if shared is None or not (hasattr(shared, "add") and hasattr(shared, "remove")):
+        from freespec.drafters.corpus import DocumentSource
+
+        documents = getattr(self.drafter, "documents", None)  # the drafter's DocumentSource, if it has one
+        shared = documents.shared if isinstance(documents, DocumentSource) else None
+        if shared is None:
             raise ValueError(
-                f"drafter {self.drafter_name!r} has no shared document corpus for an external corpus; use "
-                f'drafter "corpus" with drafter_options {{"corpus": {{"min_match": 2, "max_match": 8}}}}')
+                f"drafter {self.drafter_name!r} has no shared document index for an external corpus; use "
+                f'drafter "corpus" or "mixture" with drafter_options {{"documents": {{"min_match": 2, "max_match": 8}}}}')
         return shared
 
     def _add_to_shared_corpus(self, corpus_id: str, arrays: list[np.ndarray]) -> None:
