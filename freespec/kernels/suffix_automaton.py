@@ -105,6 +105,40 @@ def _add_child(states, parent, v):
 
 
 @numba.njit(cache=True)
+def _edges_needed(states, edges, slots, last, c):
+    """How many edges appending token ``c`` adds (a dry run, same amortized cost as the real step)."""
+    need = 0
+    p = last
+    while p != -1 and _find_edge(edges, slots, p, c) == -1:
+        need += 1
+        p = states[LINK, p]
+    if p != -1:
+        q = edges[DST, _find_edge(edges, slots, p, c)]
+        if states[LEN, p] + 1 != states[LEN, q]:  # a clone copies q's edges: one more if
+            need += 1  # q is on the suffix path and gains its edge by c first (q == last does)
+            e = states[EDGE_HEAD, q]
+            while e != -1:
+                need += 1
+                e = edges[NEXT, e]
+    return need
+
+
+@numba.njit(cache=True)
+def _take_place(states, new, old):
+    """Put state ``new`` where ``old`` is in the suffix-link tree (same parent, same siblings)."""
+    parent, prev, nxt = states[LINK, old], states[SIB_PREV, old], states[SIB_NEXT, old]
+    states[LINK, new] = parent
+    states[SIB_PREV, new] = prev
+    states[SIB_NEXT, new] = nxt
+    if prev != -1:
+        states[SIB_NEXT, prev] = new
+    else:
+        states[CHILD_HEAD, parent] = new
+    if nxt != -1:
+        states[SIB_PREV, nxt] = new
+
+
+@numba.njit(cache=True)
 def _append_tokens(ids, text, states, edges, slots, meta):  # ids [k], text [T], states [7, V], edges [4, E]
     """Append ``ids``; stop early (returning how many went in) when edges would overflow.
 
@@ -112,21 +146,7 @@ def _append_tokens(ids, text, states, edges, slots, meta):  # ids [k], text [T],
     """
     for k in range(ids.shape[0]):
         c = ids[k]
-        # dry run: how many edges does this token add? (same amortized cost as the real step)
-        need = 0
-        p = meta[LAST]
-        while p != -1 and _find_edge(edges, slots, p, c) == -1:
-            need += 1
-            p = states[LINK, p]
-        if p != -1:
-            q = edges[DST, _find_edge(edges, slots, p, c)]
-            if states[LEN, p] + 1 != states[LEN, q]:  # a clone copies q's edges: one more if
-                need += 1  # q is on the suffix path and gains its edge by c first (q == last does)
-                e = states[EDGE_HEAD, q]
-                while e != -1:
-                    need += 1
-                    e = edges[NEXT, e]
-        if meta[NUM_EDGES] + need > edges.shape[1]:
+        if meta[NUM_EDGES] + _edges_needed(states, edges, slots, meta[LAST], c) > edges.shape[1]:
             return k
         pos = meta[TEXT_LEN]
         text[pos] = c
@@ -149,17 +169,7 @@ def _append_tokens(ids, text, states, edges, slots, meta):  # ids [k], text [T],
                 while e != -1:
                     _add_edge(states, edges, slots, meta, clone, edges[TOKEN, e], edges[DST, e])
                     e = edges[NEXT, e]
-                # the clone takes q's place under link[q]; q and cur hang under the clone
-                parent, prev, nxt = states[LINK, q], states[SIB_PREV, q], states[SIB_NEXT, q]
-                states[LINK, clone] = parent
-                states[SIB_PREV, clone] = prev
-                states[SIB_NEXT, clone] = nxt
-                if prev != -1:
-                    states[SIB_NEXT, prev] = clone
-                else:
-                    states[CHILD_HEAD, parent] = clone
-                if nxt != -1:
-                    states[SIB_PREV, nxt] = clone
+                _take_place(states, clone, q)  # the clone takes q's place under link[q]; q and cur hang under it
                 _add_child(states, clone, q)
                 _add_child(states, clone, cur)
                 while p != -1:
