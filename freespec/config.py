@@ -21,6 +21,8 @@ class SpecConfig:
         a cost model fills them whenever it has a match.
     adaptive_budget: let the drafter size the tree from a measured cost model
         (drafters that support it, e.g. ``mixture``); otherwise the budget is fixed.
+    allow_untested_model: patch a model whose architecture (``config.model_type``) is
+        not in freespec's exactness matrix; by default ``patch()`` refuses it.
     """
 
     drafter: Any = "mixture"
@@ -28,12 +30,15 @@ class SpecConfig:
     max_draft_tokens: int = 64
     max_draft_depth: int = 48
     adaptive_budget: bool = True
+    allow_untested_model: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 0:
-            raise ValueError(f"max_draft_tokens must be an int >= 0, got {self.max_draft_tokens!r}")
-        if not isinstance(self.max_draft_depth, int) or self.max_draft_depth < 0:
-            raise ValueError(f"max_draft_depth must be an int >= 0, got {self.max_draft_depth!r}")
+        from .drafters.options import check_bool, check_int
+
+        check_int("max_draft_tokens", self.max_draft_tokens, 0)
+        check_int("max_draft_depth", self.max_draft_depth, 0)
+        check_bool("adaptive_budget", self.adaptive_budget)
+        check_bool("allow_untested_model", self.allow_untested_model)
         if not isinstance(self.drafter_options, Mapping):
             raise ValueError(f"drafter_options must be a mapping, got {type(self.drafter_options).__name__}")
         if not isinstance(self.drafter, str) and not hasattr(self.drafter, "propose"):

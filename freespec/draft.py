@@ -218,6 +218,22 @@ class Draft:
             None if self.is_candidate is None else self.is_candidate[nodes],
         )
 
+    def best_chain(self) -> "Draft":
+        """The candidate path that follows the most confident child at each node (the first, without confidence).
+
+        For hosts that can verify chains only (ALiBi): ``[-1, 0, 0, 1]`` with
+        confidence ``[0.9, 0.3, 0.5, 0.2]`` -> nodes ``[0, 2]``.
+        """
+        is_candidate = self.candidate_mask()
+        confidence = self.confidence if self.confidence is not None else np.zeros(self.num_nodes, np.float32)
+        path, parent = [], -1
+        while True:
+            children = np.nonzero((self.parents == parent) & is_candidate)[0]
+            if children.size == 0:
+                return self.select(np.asarray(path, np.int64))
+            parent = int(children[np.argmax(confidence[children])])
+            path.append(parent)
+
     def node_paths(self) -> list[tuple[int, ...]]:
         """Token path from the root to every node: ``[-1, 0, 0] with tokens [5, 6, 8] -> [(5,), (5, 6), (5, 8)]``."""
         paths: list[tuple[int, ...]] = []

@@ -36,6 +36,12 @@ class Acceptance:
     accepted_nodes: list[int]  # draft node indices along the kept path
     token_ids: list[int]  # emitted tokens: the accepted nodes' tokens, then the bonus token
     scores: list[torch.Tensor]  # processed scores [V] that chose each emitted token
+    stopped: bool = False  # should_stop said stop after the last emitted token (no bonus after it)
+
+    @property
+    def cached_nodes(self) -> list[int]:
+        """Accepted nodes whose KV stays cached: all but one that is the last emitted token."""
+        return self.accepted_nodes[: len(self.token_ids) - 1]
 
 
 def choose_token(scores: torch.Tensor, do_sample: bool) -> int:
@@ -52,6 +58,7 @@ def accept_tree(
     score_row: Callable[[int, list[int]], torch.Tensor],
     do_sample: bool,
     is_candidate: np.ndarray | None = None,  # [n] bool, None = every node
+    should_stop: Callable[[list[int], list[torch.Tensor]], bool] | None = None,
 ) -> Acceptance:
     """Walk the tree from the root as the target would decode.
 
@@ -60,6 +67,9 @@ def accept_tree(
     accepted before it, so the caller can run the user's logits processors on
     the right prefix. Only rows on the walked path are scored. Nodes with
     ``is_candidate[i] = False`` are never descended into, whatever their token.
+    ``should_stop(emitted_token_ids, their_scores)`` is asked after each emitted token (EOS,
+    max length, stop strings): the walk ends there, as plain decoding would, so
+    a sampled walk draws exactly as many times as plain sampling does.
     """
     children = children_by_token(parents, draft_token_ids, is_candidate)
     accepted_nodes: list[int] = []
@@ -72,7 +82,10 @@ def accept_tree(
         token_ids.append(token)
         scores.append(row_scores)
         child = children[row].get(token)
+        if child is not None:
+            accepted_nodes.append(child)
+        if should_stop is not None and should_stop(token_ids, scores):
+            return Acceptance(accepted_nodes, token_ids, scores, stopped=True)
         if child is None:
             return Acceptance(accepted_nodes, token_ids, scores)
-        accepted_nodes.append(child)
         row = child + 1

@@ -6,20 +6,22 @@
     freespec.stats(model)                  # SpecStats of the last call
     freespec.unpatch(model)
 
-The patch replaces ``generate`` on this one model instance (never on the
-class) with a wrapper that calls the original ``generate()`` through its
+The patch puts a ``PatchedGenerate`` in this one model instance's ``generate``
+(never on the class), which calls the model's own ``generate()`` through its
 public ``custom_generate=`` callable hook: transformers still prepares the
-generation config, logits processors and stopping criteria exactly as for
-plain decoding, and the callable runs freespec's engine with them.
+generation config, logits processors and stopping criteria (stop strings
+included: the callable takes ``tokenizer``, so transformers routes it there)
+exactly as for plain decoding, and the callable runs freespec's engine with them.
 
 What falls back to plain ``generate()`` (with one logged warning per reason
 and ``stats(model).fallback_reason`` set), never silently different output:
 batch size > 1, beam search, ``num_return_sequences > 1``, an assistant model
-or HF prompt lookup, a user-supplied cache, a padded attention mask,
-``output_attentions``/``output_hidden_states``, classifier-free guidance,
-a non-default ``cache_implementation`` and extra model inputs (images, ...).
-Streamers work: transformers does not hand a streamer to a custom_generate
-callable, so the wrapper keeps it and the engine feeds it.
+or HF prompt lookup, a user-supplied cache, a padded attention mask or one whose
+shape differs from the input's, ``output_attentions``/``output_hidden_states``,
+classifier-free guidance, a non-default ``cache_implementation``, token healing
+and extra model inputs (images, ...). Streamers work: transformers does not hand
+a streamer to a custom_generate callable, so the wrapper keeps it and the engine
+feeds it.
 
 One argument plain ``generate()`` lacks: ``documents=[...]`` (texts, with
 ``tokenizer=``, or token-id sequences) gives this call's drafter documents to
@@ -31,8 +33,8 @@ from __future__ import annotations
 
 import copy
 import logging
-import weakref
 
+import numpy as np
 import torch
 
 from ..config import SpecConfig
@@ -44,20 +46,55 @@ logger = logging.getLogger("freespec")
 SUPPORTED_TRANSFORMERS = ((5, 24), (6, 0))  # [min, max)
 
 # model kwargs that generate() prepares for plain decoding and the engine honours
+# model kwargs that generate() prepares for plain decoding and the engine honours
 _MODEL_KWARGS_OK = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache", "past_key_values",
                     "cache_position"}
 
-_patched: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# model_type of every architecture the exactness matrix (tests/test_architectures.py) checks against plain
+# generate(); anything else is refused at patch() unless SpecConfig(allow_untested_model=True)
+TESTED_MODEL_TYPES = frozenset({
+    "bloom", "cohere", "falcon", "gemma", "gemma2", "gemma3_text", "gpt2", "gpt_bigcode", "gpt_neox", "gptj",
+    "granite", "llama", "mistral", "mixtral", "mpt", "olmo2", "opt", "phi", "phi3", "qwen2", "qwen2_moe", "qwen3",
+    "qwen3_moe", "stablelm", "starcoder2",
+})
 
 
-class _PatchState:
+class PatchedGenerate:
+    """What ``patch()`` puts in ``model.generate``: speculation, with the patch's state.
+
+    A module-level class (not a closure), so a patched model deep-copies (the copy
+    generates with the copy, and is patched) and pickles (``torch.save``), and
+    nothing outside the model keeps it alive.
+    """
+
     def __init__(self, model, config: SpecConfig):
+        self.model = model
         self.config = config
-        self.original_generate = model.generate
-        self.had_instance_generate = "generate" in model.__dict__
+        self.previous = model.__dict__.get("generate")  # an instance generate() set before ours, if any
         self.drafter = config.make_drafter()
         self.stats = SpecStats()
         self.warned: set[str] = set()
+        if self.drafter.needs_model:
+            self.drafter.attach_model(model_handle(model))
+
+    @property
+    def __wrapped__(self):
+        """The model's own ``generate()``."""
+        return self.previous if self.previous is not None else type(self.model).generate.__get__(self.model)
+
+    @property
+    def __doc__(self):
+        return f"Speculative generate() by freespec.\n\n{type(self.model).generate.__doc__ or ''}"
+
+    def __call__(self, *args, **kwargs):
+        return _generate(self, *args, **kwargs)
+
+
+def model_handle(model):
+    """The narrow handle a drafter with ``needs_model`` receives (``freespec.model_handle``)."""
+    from ..model_handle import ModelHandle
+
+    return ModelHandle.of(model)
 
 
 def _check_transformers_version() -> None:
@@ -77,13 +114,22 @@ def patch(model, config: SpecConfig | None = None, **overrides):
 
     ``config``: a ``SpecConfig`` (default ``SpecConfig()``); ``overrides``: its
     fields by name (``patch(model, max_draft_tokens=16)``). An unknown option
-    raises ``TypeError`` naming it; patching a patched model raises ``RuntimeError``.
+    raises ``TypeError`` naming it; patching a patched model raises ``RuntimeError``;
+    a model whose architecture freespec has not been tested on raises ``ValueError``
+    naming it (``allow_untested_model=True`` to try it anyway).
+
+    What it promises: with ``do_sample=False`` the output is token-for-token the
+    output of unpatched ``generate()`` in float32 and float64; in bfloat16 and
+    float16 a forward over many tokens rounds differently from one over a single
+    token, so the output may depart from plain decoding's where two tokens' logits
+    are within rounding of each other (as with transformers' own assisted decoding
+    and prompt lookup). With sampling, the output has the model's distribution.
     """
     _check_transformers_version()
-    if model in _patched:
-        raise RuntimeError("this model is already patched by freespec; call freespec.unpatch(model) first")
     if not hasattr(model, "generate") or not hasattr(model, "config"):
         raise TypeError(f"model must be a transformers PreTrainedModel with generate(), got {type(model).__name__}")
+    if is_patched(model):
+        raise RuntimeError("this model is already patched by freespec; call freespec.unpatch(model) first")
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError("freespec speculates for decoder-only causal LMs; this model is encoder-decoder")
     if config is not None and not isinstance(config, SpecConfig):
@@ -91,43 +137,42 @@ def patch(model, config: SpecConfig | None = None, **overrides):
     config = config or SpecConfig()
     if overrides:
         config = config.replace(**overrides)
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in TESTED_MODEL_TYPES and not config.allow_untested_model:
+        raise ValueError(f"freespec has not been tested on model_type {model_type!r}: its output is checked against "
+                         f"plain generate() for {', '.join(sorted(TESTED_MODEL_TYPES))}; pass "
+                         f"allow_untested_model=True to speculate anyway")
     try:
         ModelTraits.of(model)
     except UnsupportedForSpeculation as exc:
         raise ValueError(f"freespec cannot drive this model: {exc}") from None
-    state = _PatchState(model, config)
-    _patched[model] = state
-
-    def generate(*args, **kwargs):
-        return _generate(model, state, *args, **kwargs)
-
-    generate.__doc__ = f"Speculative generate() by freespec.\n\n{state.original_generate.__doc__ or ''}"
-    generate.__wrapped__ = state.original_generate
-    model.generate = generate
+    model.generate = PatchedGenerate(model, config)
     return model
 
 
 def unpatch(model):
     """Restore the model's own ``generate()``. Returns the model."""
-    state = _patched.pop(model, None)
-    if state is None:
-        raise RuntimeError("this model is not patched by freespec")
-    if state.had_instance_generate:
-        model.generate = state.original_generate
+    patched = _patched(model)
+    if patched.previous is not None:
+        model.generate = patched.previous
     else:
         del model.generate
     return model
 
 
 def stats(model) -> SpecStats:
-    state = _patched.get(model)
-    if state is None:
-        raise RuntimeError("this model is not patched by freespec; call freespec.patch(model) first")
-    return state.stats
+    """SpecStats of the last ``generate()`` call of a patched model."""
+    return _patched(model, "; call freespec.patch(model) first").stats
 
 
 def is_patched(model) -> bool:
-    return model in _patched
+    return isinstance(getattr(model, "__dict__", {}).get("generate"), PatchedGenerate)
+
+
+def _patched(model, hint: str = "") -> PatchedGenerate:
+    if not is_patched(model):
+        raise RuntimeError(f"this model is not patched by freespec{hint}")
+    return model.__dict__["generate"]
 
 
 # ---------------------------------------------------------------- internals
@@ -135,8 +180,21 @@ class _Fallback(Exception):
     pass
 
 
+def _input_ids(args, kwargs):
+    return args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+
+
+def _check_input_ids(inputs) -> None:
+    if not isinstance(inputs, torch.Tensor):
+        return
+    if inputs.shape[-1] == 0:
+        raise ValueError("input_ids is empty: freespec needs a prompt of at least one token (e.g. the BOS token)")
+    if inputs.is_floating_point() or inputs.is_complex() or inputs.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {inputs.dtype}")
+
+
 def _fallback_reason_from_kwargs(args, kwargs) -> str | None:
-    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    inputs = _input_ids(args, kwargs)
     if "custom_generate" in kwargs:
         return "custom_generate was given"
     if kwargs.get("assistant_model") is not None:
@@ -145,9 +203,13 @@ def _fallback_reason_from_kwargs(args, kwargs) -> str | None:
         return "inputs_embeds instead of input_ids"
     if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
         return "a user-supplied cache"
+    if kwargs.get("token_healing"):
+        return "token_healing"
     if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and inputs.shape[0] > 1:
         return f"batch size {inputs.shape[0]} > 1"
     mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and isinstance(inputs, torch.Tensor) and mask.shape != inputs.shape:
+        return f"attention_mask of shape {list(mask.shape)} for input_ids of shape {list(inputs.shape)}"
     if isinstance(mask, torch.Tensor) and not bool((mask == 1).all()):
         return "a padded attention_mask"
     return None
@@ -180,65 +242,86 @@ def _fallback_reason_from_config(generation_config, model_kwargs) -> str | None:
     return None
 
 
-def _fall_back(state: _PatchState, reason: str, args, kwargs, streamer):
-    if reason not in state.warned:
-        state.warned.add(reason)
+def _fall_back(patched: PatchedGenerate, reason: str, args, kwargs, streamer):
+    if reason not in patched.warned:
+        patched.warned.add(reason)
         logger.warning("freespec: falling back to plain generate() because of %s", reason)
-    state.stats = SpecStats(fallback_reason=reason)
+    patched.stats = SpecStats(fallback_reason=reason)
     if streamer is not None:
         kwargs["streamer"] = streamer
-    return state.original_generate(*args, **kwargs)
+    return patched.__wrapped__(*args, **kwargs)
 
 
-def _move_stop_strings(model, kwargs) -> dict:
-    """Turn stop strings into a StopStringCriteria in ``stopping_criteria``.
+def _stop_strings_as_criteria(model, args, kwargs) -> tuple[tuple, dict]:
+    """Stop strings, wherever given, as a ``StopStringCriteria`` in ``stopping_criteria``.
 
-    transformers drops the ``tokenizer`` argument on its way to a
-    custom_generate callable, so stop strings would fail there; built here,
-    the criterion is the one plain generate() builds. Returns new kwargs.
+    transformers drops generate()'s ``tokenizer`` on the way to a ``custom_generate``
+    callable and then cannot build the stop-string criterion itself. So the stop
+    strings it would use are taken here, with its priority (``stop_strings=`` over a
+    ``generation_config`` passed positionally or by name over ``model.generation_config``),
+    removed from all three, and the same criterion plain generate() builds is passed in.
     """
     from transformers import StoppingCriteriaList, StopStringCriteria
 
-    kwargs = dict(kwargs)
-    tokenizer = kwargs.pop("tokenizer", None)
-    stop_strings = kwargs.pop("stop_strings", None)
-    config = kwargs.get("generation_config")
-    if stop_strings is None and config is not None and getattr(config, "stop_strings", None):
-        stop_strings = config.stop_strings
-        kwargs["generation_config"] = copy.deepcopy(config)
-        kwargs["generation_config"].stop_strings = None
-    if stop_strings is None and getattr(model.generation_config, "stop_strings", None):
-        stop_strings = model.generation_config.stop_strings
-        kwargs["stop_strings"] = None
+    args, kwargs = list(args), dict(kwargs)
+    position = 1 if len(args) > 1 else None
+    config = args[1] if position else kwargs.get("generation_config")
+    stop_strings = kwargs.get("stop_strings")
+    if "stop_strings" not in kwargs:
+        stop_strings = getattr(config, "stop_strings", None) or model.generation_config.stop_strings
+    if config is not None and getattr(config, "stop_strings", None) is not None:
+        config = copy.deepcopy(config)
+        config.stop_strings = None
+        if position:
+            args[1] = config
+        else:
+            kwargs["generation_config"] = config
+    if "stop_strings" in kwargs or model.generation_config.stop_strings is not None:
+        kwargs["stop_strings"] = None  # over model.generation_config's, whose value fills unset fields
     if stop_strings:
+        tokenizer = kwargs.pop("tokenizer", None)
         if tokenizer is None:
             raise ValueError("stop_strings need the model's tokenizer: pass tokenizer= to generate()")
         criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
         criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
         kwargs["stopping_criteria"] = criteria
-    return kwargs
+    return tuple(args), kwargs
 
 
-def _generate(model, state: _PatchState, *args, **kwargs):
-    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-    if isinstance(inputs, torch.Tensor) and inputs.shape[-1] == 0:
-        raise ValueError("input_ids is empty: freespec needs a prompt of at least one token (e.g. the BOS token)")
+def _documents(patched: PatchedGenerate, documents, tokenizer) -> list | None:
+    """Check ``generate(documents=...)``: texts (with ``tokenizer=``) or token-id sequences in the vocabulary."""
+    if documents is None:
+        return None
+    if not patched.drafter.accepts_documents:
+        raise ValueError(f"documents= needs a drafter that drafts from documents (mixture, corpus); "
+                         f"this model's drafter is {patched.drafter.name!r}")
+    if isinstance(documents, (str, bytes)) or not hasattr(documents, "__iter__"):
+        raise ValueError("documents must be a list of texts or of token-id sequences")
+    documents = list(documents)
+    vocab_size = patched.model.get_input_embeddings().num_embeddings
+    for i, doc in enumerate(documents):
+        if isinstance(doc, str):
+            if tokenizer is None:
+                raise ValueError("text documents need tokenizer= in generate() to turn them into token ids")
+            continue
+        ids = np.asarray(doc)
+        if ids.size and np.issubdtype(ids.dtype, np.integer) and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise ValueError(f"documents[{i}] holds token id {int(ids.max() if ids.max() >= vocab_size else ids.min())}"
+                             f", outside the model's vocabulary [0, {vocab_size})")
+    return documents
+
+
+def _generate(patched: PatchedGenerate, *args, **kwargs):
+    _check_input_ids(_input_ids(args, kwargs))
     streamer = kwargs.pop("streamer", None)
-    documents = kwargs.pop("documents", None)
-    if documents is not None:
-        if not state.drafter.accepts_documents:
-            raise ValueError(f"documents= needs a drafter that drafts from documents (mixture, corpus); "
-                             f"this model's drafter is {state.drafter.name!r}")
-        if isinstance(documents, (str, bytes)) or not hasattr(documents, "__iter__"):
-            raise ValueError("documents must be a list of texts or of token-id sequences")
-        documents = list(documents)
-        if any(isinstance(d, str) for d in documents) and kwargs.get("tokenizer") is None:
-            raise ValueError("text documents need tokenizer= in generate() to turn them into token ids")
+    documents = _documents(patched, kwargs.pop("documents", None), kwargs.get("tokenizer"))
     reason = _fallback_reason_from_kwargs(args, kwargs)
     if reason is not None:
-        return _fall_back(state, reason, args, kwargs, streamer)
-
+        return _fall_back(patched, reason, args, kwargs, streamer)
     stats_box: list[SpecStats] = []
+
+    tokenizer = kwargs.get("tokenizer")
+    args, kwargs = _stop_strings_as_criteria(patched.model, args, kwargs)
 
     def speculative_generate(model_, input_ids, logits_processor, stopping_criteria, generation_config,
                              **model_kwargs):
@@ -247,34 +330,28 @@ def _generate(model, state: _PatchState, *args, **kwargs):
             reason_ = f"batch size {input_ids.shape[0]} > 1"
         if reason_ is not None:
             raise _Fallback(reason_)
-        traits = ModelTraits.of(model_)
-        stats_ = SpecStats()
-        stats_box.append(stats_)
+        stats_box.append(SpecStats())
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        decoder = SpeculativeDecoder(model_, state.drafter, state.config, stats_, traits)
+        decoder = SpeculativeDecoder(model_, patched.drafter, patched.config, stats_box[-1], ModelTraits.of(model_))
         sequences, scores, logits, cache = decoder.generate(
             input_ids, logits_processor, stopping_criteria, generation_config, streamer,
             documents=documents, tokenizer=tokenizer)
-        if generation_config.return_dict_in_generate:
-            from transformers.generation.utils import GenerateDecoderOnlyOutput
+        if not generation_config.return_dict_in_generate:
+            return sequences
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-            return GenerateDecoderOnlyOutput(
-                sequences=sequences,
-                scores=tuple(scores) if generation_config.output_scores else None,
-                logits=tuple(logits) if generation_config.output_logits else None,
-                cache=cache,
-            )
-        return sequences
+        return GenerateDecoderOnlyOutput(
+            sequences=sequences,
+            scores=tuple(scores) if generation_config.output_scores else None,
+            logits=tuple(logits) if generation_config.output_logits else None,
+            cache=cache,
+        )
 
-    tokenizer = kwargs.get("tokenizer")
-    if kwargs.get("token_healing"):
-        return _fall_back(state, "token_healing", args, kwargs, streamer)
     try:
-        result = state.original_generate(*args, custom_generate=speculative_generate,
-                                         **_move_stop_strings(model, kwargs))
+        result = patched.__wrapped__(*args, custom_generate=speculative_generate, **kwargs)
     except (_Fallback, UnsupportedForSpeculation) as exc:
-        return _fall_back(state, str(exc), args, kwargs, streamer)
+        return _fall_back(patched, str(exc), args, kwargs, streamer)
     if stats_box:
-        state.stats = stats_box[-1]
+        patched.stats = stats_box[-1]
     return result
