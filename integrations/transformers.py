@@ -13,13 +13,16 @@ generation config, logits processors and stopping criteria (stop strings
 included: the callable takes ``tokenizer``, so transformers routes it there)
 exactly as for plain decoding, and the callable runs freespec's engine with them.
 
-What falls back to plain ``generate()`` (with one logged warning per reason
-and ``stats(model).fallback_reason`` set), never silently different output:
-batch size > 1, beam search, ``num_return_sequences > 1``, an assistant model
-or HF prompt lookup, a user-supplied cache, a padded attention mask or one whose
-shape differs from the input's, ``output_attentions``/``output_hidden_states``,
+A left-padded batch speculates row by row (each row its own draft tree, one
+forward for all). What falls back to plain ``generate()`` (with one logged
+warning per reason and ``stats(model).fallback_reason`` set), never silently
+different output: beam search, an assistant model or HF prompt lookup, a
+user-supplied cache, an attention mask that is not left padding or whose shape
+differs from the input's, ``output_attentions``/``output_hidden_states``,
 classifier-free guidance, a non-default ``cache_implementation``, token healing
-and extra model inputs (images, ...). Streamers work: transformers does not hand
+and extra model inputs (images, ...); and, for batches of several rows only,
+``output_scores``/``output_logits``, ALiBi or dynamic/LongRoPE models and
+``prefix_allowed_tokens_fn``. Streamers work: transformers does not hand
 a streamer to a custom_generate callable, so the wrapper keeps it and the engine
 feeds it.
 
@@ -205,13 +208,20 @@ def _fallback_reason_from_kwargs(args, kwargs) -> str | None:
         return "a user-supplied cache"
     if kwargs.get("token_healing"):
         return "token_healing"
-    if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and inputs.shape[0] > 1:
-        return f"batch size {inputs.shape[0]} > 1"
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and isinstance(inputs, torch.Tensor) and mask.shape != inputs.shape:
         return f"attention_mask of shape {list(mask.shape)} for input_ids of shape {list(inputs.shape)}"
-    if isinstance(mask, torch.Tensor) and not bool((mask == 1).all()):
-        return "a padded attention_mask"
+    return _padding_reason(mask)
+
+
+def _padding_reason(mask) -> str | None:
+    """Left padding (each row: zeros, then ones) is what batched generate() takes; anything else falls back."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or bool((mask == 1).all()):
+        return None
+    if not bool(((mask == 0) | (mask == 1)).all()) or bool((mask[:, 1:] < mask[:, :-1]).any()):
+        return "an attention_mask that is not left padding (right padding or holes)"
+    if bool((mask.sum(-1) == 0).any()):
+        return "a row of the attention_mask with no token"
     return None
 
 
@@ -219,7 +229,6 @@ def _fallback_reason_from_config(generation_config, model_kwargs) -> str | None:
     gc = generation_config
     checks = [
         (getattr(gc, "num_beams", 1) not in (None, 1), "beam search (num_beams > 1)"),
-        (getattr(gc, "num_return_sequences", 1) not in (None, 1), "num_return_sequences > 1"),
         (getattr(gc, "prompt_lookup_num_tokens", None) is not None, "HF prompt lookup was requested"),
         (getattr(gc, "assistant_early_exit", None) is not None, "assistant_early_exit was requested"),
         (bool(getattr(gc, "output_attentions", False)), "output_attentions"),
@@ -236,10 +245,27 @@ def _fallback_reason_from_config(generation_config, model_kwargs) -> str | None:
     extra = {k for k, v in model_kwargs.items() if v is not None} - _MODEL_KWARGS_OK
     if extra:
         return f"extra model inputs {sorted(extra)}"
-    mask = model_kwargs.get("attention_mask")
-    if mask is not None and not bool((mask == 1).all()):
-        return "a padded attention_mask"
-    return None
+    return _padding_reason(model_kwargs.get("attention_mask"))
+
+
+def _batch_fallback_reason(model, generation_config, logits_processor, batch_size: int) -> str | None:
+    """What a batch of several rows cannot honour (a batch of one can)."""
+    from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
+
+    if batch_size == 1:
+        return None
+    traits = ModelTraits.of(model)
+    checks = [
+        (bool(generation_config.return_dict_in_generate and (generation_config.output_scores
+                                                             or generation_config.output_logits)),
+         "output_scores / output_logits with a batch (rows advance unevenly)"),
+        (traits.chains_only, "an ALiBi model with a batch (its bias follows key indices, which padding shifts)"),
+        (traits.rope_dynamic_limit is not None or traits.rope_long_limit is not None,
+         "a dynamic or LongRoPE rotary embedding with a batch (its frequencies follow the whole batch's length)"),
+        (any(isinstance(p, PrefixConstrainedLogitsProcessor) for p in logits_processor),
+         "prefix_allowed_tokens_fn with a batch (it is called with a row index)"),
+    ]
+    return next((reason for bad, reason in checks if bad), None)
 
 
 def _fall_back(patched: PatchedGenerate, reason: str, args, kwargs, streamer):
@@ -325,9 +351,8 @@ def _generate(patched: PatchedGenerate, *args, **kwargs):
 
     def speculative_generate(model_, input_ids, logits_processor, stopping_criteria, generation_config,
                              **model_kwargs):
-        reason_ = _fallback_reason_from_config(generation_config, model_kwargs)
-        if reason_ is None and input_ids.shape[0] != 1:
-            reason_ = f"batch size {input_ids.shape[0]} > 1"
+        reason_ = (_fallback_reason_from_config(generation_config, model_kwargs)
+                   or _batch_fallback_reason(model_, generation_config, logits_processor, input_ids.shape[0]))
         if reason_ is not None:
             raise _Fallback(reason_)
         stats_box.append(SpecStats())
@@ -336,7 +361,7 @@ def _generate(patched: PatchedGenerate, *args, **kwargs):
         decoder = SpeculativeDecoder(model_, patched.drafter, patched.config, stats_box[-1], ModelTraits.of(model_))
         sequences, scores, logits, cache = decoder.generate(
             input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-            documents=documents, tokenizer=tokenizer)
+            documents=documents, tokenizer=tokenizer, attention_mask=model_kwargs.get("attention_mask"))
         if not generation_config.return_dict_in_generate:
             return sequences
         from transformers.generation.utils import GenerateDecoderOnlyOutput

@@ -7,7 +7,8 @@ from freespec.draft import Budget, Draft
 from freespec.drafters import make
 from freespec.drafters.base import ForwardReport
 from freespec.drafters.corpus import DocumentIndex
-from freespec.drafters.mixture import AcceptanceCalibrator, CostModel, MixtureDrafter
+from freespec.drafters.calibration import AcceptanceCalibrator, CostModel
+from freespec.drafters.mixture import MixtureDrafter
 from freespec.drafters.suffix import RequestHistory
 
 RNG = np.random.default_rng(7)
@@ -229,3 +230,26 @@ def test_observe_feeds_the_ngram_table():
     drafter.extend("r", [3])  # the context ends with 3 again: the table learned 3 -> 42 from the model
     assert 42 in drafter.propose("r", Budget(8, 4)).token_ids.tolist()
     drafter.stop("r")
+
+
+def test_batch_cost_model_borrows_from_batch_one_until_measured():
+    from freespec.drafters.calibration import BatchCostModel
+
+    model = BatchCostModel()
+    assert model.cost(5, 4) == pytest.approx((1 + 0.03 * 19) / (1 + 0.03 * 3))  # c_1(20) / c_1(4)
+    for width, seconds in ((1, 0.1), (4, 0.3), (16, 0.9)):  # batch 8: widths cost much more
+        for _ in range(3):
+            model.add(8, width, seconds)
+    assert model.cost(4, 8) == pytest.approx(3.0) and model.cost(16, 8) == pytest.approx(9.0)
+    assert model.cost(4, 6) == pytest.approx(3.0)  # 6 rows: the batch-8 bucket
+    assert model.cost(4, 1) == pytest.approx(1.09)  # batch 1 untouched
+
+
+def test_a_large_batch_drafts_less():
+    drafter = MixtureDrafter()
+    for width, seconds in ((1, 0.1), (4, 0.25), (16, 0.6)):  # at batch 8, 4 tokens per row cost 2.5x
+        for _ in range(3):
+            drafter.on_forward(ForwardReport(tuple(range(8)), (width,) * 8, seconds))
+    probs = np.array([0.3, 0.2, 0.1])  # 0.6 expected tokens: worth 3 nodes at c_1, nothing at c_8
+    assert drafter._choose_size(probs, 24, batch_size=1) == 3
+    assert drafter._choose_size(probs, 24, batch_size=8) == 0

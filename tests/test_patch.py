@@ -74,7 +74,6 @@ def test_empty_prompt_and_zero_new_tokens(model):
 
 @pytest.mark.parametrize("kwargs, reason", [
     (dict(num_beams=2), "beam search"),
-    (dict(num_return_sequences=2, do_sample=True), "num_return_sequences"),
     (dict(prompt_lookup_num_tokens=3), "prompt lookup"),
     (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
     (dict(use_cache=False), "use_cache=False"),
@@ -96,13 +95,13 @@ def test_unsupported_modes_fall_back_with_one_warning(model, kwargs, reason, cap
     assert len([r for r in caplog.records if "falling back" in r.getMessage()]) == 1
 
 
-def test_batch_falls_back_and_matches(model):
+def test_a_batch_speculates_and_matches(model):
     batch = torch.cat([PROMPT, PROMPT.flip(1)])
     plain = plain_generate(model, batch, max_new_tokens=8, do_sample=False)
     freespec.patch(model)
     out = model.generate(batch, max_new_tokens=8, do_sample=False)
     assert out.tolist() == plain.tolist()
-    assert "batch size 2" in freespec.stats(model).fallback_reason
+    assert freespec.stats(model).fallback_reason is None and freespec.stats(model).row_forwards >= 2
 
 
 def test_user_cache_falls_back(model):

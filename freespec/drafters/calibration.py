@@ -88,12 +88,56 @@ class CostModel:
         line_s = intercept + max(slope, 0.0)
         return float(min(times.min(), line_s)) if line_s > 0 else float(times.min())
 
+    def measured_widths(self) -> int:
+        """How many width buckets hold at least one forward."""
+        return sum(1 for times in self._times if times)
+
     def cost(self, num_tokens: int) -> float:
         curve = self.curve()
         if num_tokens <= self.BUCKETS[-1]:
             return float(np.interp(num_tokens, self.BUCKETS, curve))
         slope = (curve[-1] - curve[-2]) / (self.BUCKETS[-1] - self.BUCKETS[-2])
         return float(curve[-1] + slope * (num_tokens - self.BUCKETS[-1]))
+
+
+class BatchCostModel:
+    """c_B(n): a forward of width ``n`` over one of width 1, both at batch size ``B``, measured live.
+
+    One ``CostModel`` per batch bucket ``B in {1, 2, 4, 8, ...}`` (a batch goes to
+    the nearest bucket in log2). A forward gets less memory-bound as the batch
+    grows, so extra tokens cost more at larger B; until a bucket has measured
+    widths of its own, its curve is borrowed from batch 1, where ``B`` rows of
+    ``n`` tokens cost about one row of ``B n``: ``c_B(n) = c_1(B n) / c_1(B)``.
+
+    Worked example, ``c_1(n) = 1 + 0.03 (n - 1)`` (the prior): ``c_4(5) =
+    c_1(20) / c_1(4) = 1.57 / 1.09 = 1.44``, where batch 1 would pay ``c_1(5) = 1.12``.
+    """
+
+    def __init__(self, prior_slope: float = 0.03, window: int = 32):
+        self.prior_slope, self.window = prior_slope, window
+        self._models: dict[int, CostModel] = {1: CostModel(prior_slope, window)}
+
+    @staticmethod
+    def bucket(batch_size: int) -> int:
+        return 1 << max(0, round(math.log2(max(1, batch_size))))
+
+    def add(self, batch_size: int, width: int, forward_s: float) -> None:
+        bucket = self.bucket(batch_size)
+        if bucket not in self._models:
+            self._models[bucket] = CostModel(self.prior_slope, self.window)
+        self._models[bucket].add(width, forward_s)
+
+    def cost(self, num_tokens: int, batch_size: int = 1) -> float:
+        bucket = self.bucket(batch_size)
+        own = self._models.get(bucket)
+        if bucket == 1 or (own is not None and own.measured_widths() >= 2):
+            return own.cost(num_tokens)
+        single = self._models[1]
+        return max(1.0, single.cost(bucket * num_tokens) / single.cost(bucket))
+
+    def of_batch(self, batch_size: int) -> CostModel | None:
+        """The measured model of ``batch_size``'s bucket (None until it has a forward)."""
+        return self._models.get(self.bucket(batch_size))
 
 
 class AcceptanceCalibrator:

@@ -46,7 +46,7 @@ import numpy as np
 
 from ..draft import Budget, Draft, merge
 from .base import Drafter, ForwardReport, exercise
-from .calibration import AcceptanceCalibrator, CostModel
+from .calibration import AcceptanceCalibrator, BatchCostModel
 from .corpus import DocumentIndex, DocumentSource
 from .ngram_table import NgramTableDrafter
 from .options import check_bool, check_int, check_number
@@ -90,7 +90,7 @@ class MixtureDrafter(Drafter):
         self.ngram = (NgramTableDrafter(shared=ngram_shared, observe_top_k=ngram_observe_top_k)
                       if check_bool("ngram", ngram) else None)
         self.observe_top_k = ngram_observe_top_k if ngram else 0
-        self.cost_model = CostModel(prior_slope=check_number("prior_cost_slope", prior_cost_slope, 0.0))
+        self.cost_model = BatchCostModel(prior_slope=check_number("prior_cost_slope", prior_cost_slope, 0.0))
         self.calibrator = AcceptanceCalibrator()
         self._last: dict[Hashable, tuple[Draft, list[tuple]]] = {}  # request -> last draft, each node's kind
 
@@ -129,9 +129,9 @@ class MixtureDrafter(Drafter):
             self.ngram.stop(request_id)
 
     def on_forward(self, report: ForwardReport) -> None:
-        if report.prefill or report.batch_size != 1:  # a prefill's cost is the prompt's
+        if report.prefill:  # its cost is the prompt's
             return
-        self.cost_model.add(report.width, report.forward_s)
+        self.cost_model.add(report.batch_size, report.width, report.forward_s)
 
     # ---------------------------------------------------------------- learning
     def _learn_outcome(self, draft: Draft, kinds: list[tuple], committed: np.ndarray) -> None:
@@ -189,20 +189,24 @@ class MixtureDrafter(Drafter):
         merged = merge([scored for scored, _ in calibrated]) if len(calibrated) > 1 else calibrated[0][0]
         in_depth = merged.depths() <= budget.max_depth  # a hard cap, whatever a source returned
         order = sorted(np.nonzero(in_depth)[0].tolist(), key=lambda i: (-float(merged.confidence[i]), i))
-        num_nodes = self._choose_size(merged.confidence[order], budget.num_nodes)
+        num_nodes = self._choose_size(merged.confidence[order], budget.num_nodes, budget.batch_size)
         if num_nodes == 0:
             return Draft.empty()
         draft = merged.select(np.sort(np.asarray(order[:num_nodes], np.int64)))  # parents sort before children
         self._last[request_id] = (draft, [kind_of[path][1] for path in draft.node_paths()])
         return draft
 
-    def _choose_size(self, sorted_probs: np.ndarray, max_nodes: int) -> int:
-        """How many of the best nodes to verify: argmax of (1 + sum of their probabilities) / c(1 + k)."""
+    def _choose_size(self, sorted_probs: np.ndarray, max_nodes: int, batch_size: int = 1) -> int:
+        """How many of the best nodes to verify: argmax of (1 + sum of their probabilities) / c(1 + k).
+
+        ``c`` is the cost curve at the forward's batch size, so a large batch, where
+        extra tokens cost more, drafts less (down to nothing where nothing pays).
+        """
         available = min(int(sorted_probs.shape[0]), max_nodes)
         if not self.adaptive:
             return available
         expected = 1.0 + np.concatenate([[0.0], np.cumsum(sorted_probs[:available], dtype=np.float64)])
-        rates = expected / np.array([self.cost_model.cost(1 + k) for k in range(available + 1)])
+        rates = expected / np.array([self.cost_model.cost(1 + k, batch_size) for k in range(available + 1)])
         return int(np.argmax(rates))  # the first maximum: ties go to the smaller tree
 
     def warmup(self) -> None:
