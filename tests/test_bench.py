@@ -283,10 +283,11 @@ def test_reports_and_files(tmp_path):
 @pytest.fixture
 def tiny_model(monkeypatch):
     from freespec import models
+    from freespec.testing.models import tiny_random
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # the CLI would set it for the whole test process
 
-    model = models.tiny_random_llama(vocab_size=128)
+    model = tiny_random("llama", vocab_size=128)
     monkeypatch.setattr(models, "load", lambda name, dtype=None, **kw: (model, CharTokenizer()))
     return model
 

@@ -12,7 +12,7 @@ from freespec.bench.replay import accepted_path, load_traces, replay_one, replay
 from freespec.draft import Budget, Draft
 from freespec.drafters import make
 from freespec.drafters.base import Drafter
-from freespec.drafters.testing import OracleDrafter, WrongDrafter
+from freespec.testing.drafters import OracleDrafter, WrongDrafter
 
 
 class PerPromptReference(Drafter):
@@ -133,9 +133,9 @@ def test_replay_equals_the_engine_on_a_tiny_model():
     import torch
 
     import freespec
-    from freespec import models
+    from freespec.testing.models import tiny_random
 
-    model = models.tiny_random_llama(vocab_size=64)
+    model = tiny_random("llama", vocab_size=64)
     prompt = [0, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
     config = SpecConfig(drafter="prompt_lookup", drafter_options={"min_match": 1}, max_draft_tokens=8,
                         max_draft_depth=4, adaptive_budget=False)
