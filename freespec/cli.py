@@ -141,7 +141,8 @@ def bench_command(args, argv=None) -> int:
 
     from . import models
     from .bench.environment import environment
-    from .bench.report import console_report, summarize, write_results, write_traces
+    from .bench.jsonl import write_jsonl
+    from .bench.report import console_report, summarize, write_results
     from .bench.runner import run_bench
 
     if args.threads is not None:
@@ -179,7 +180,7 @@ def bench_command(args, argv=None) -> int:
     }
     written = write_results(results, args.out, plots=not args.no_plots)
     if args.save_traces:
-        written.append(write_traces(run.traces, os.path.join(args.out, "traces.jsonl")))
+        written.append(write_jsonl(run.traces, os.path.join(args.out, "traces.jsonl")))
     print()
     print(console_report(results))
     print()

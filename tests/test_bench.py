@@ -98,14 +98,40 @@ def test_spec_bench_file(tmp_path):
         load_dataset("builtin:nope")
 
 
-def test_shared_spec_bench_data_loads():
-    from pathlib import Path
+def test_one_jsonl_reader_names_file_and_line(tmp_path):
+    from freespec.bench.jsonl import read_jsonl, write_jsonl
 
-    path = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench_dev.jsonl"
-    if not path.is_file():
-        pytest.skip("../shared/data/spec_bench_dev.jsonl is not here")
+    path = write_jsonl([{"a": 1}, {"a": 2}], tmp_path / "r.jsonl")
+    path.write_text(path.read_text() + "\n  \n")  # blank lines are skipped
+    assert read_jsonl(path, lambda r: r["a"], "record") == [1, 2]
+    path.write_text('{"a": 1}\n\n{"a": \n')
+    with pytest.raises(ValueError, match=r"r.jsonl:3: not a record \("):
+        read_jsonl(path, lambda r: r["a"], "record")
+    with pytest.raises(ValueError, match=r"r.jsonl:1: not a record \('b'\)"):
+        read_jsonl(path, lambda r: r["b"], "record")
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="holds no records"):
+        read_jsonl(path, dict, "record")
+    with pytest.raises(ValueError, match="does not exist, try X"):
+        read_jsonl(tmp_path / "missing.jsonl", dict, "record", missing_hint=", try X")
+
+
+def test_spec_bench_layout_limit_covers_every_category(tmp_path):
+    """Spec-Bench's layout: 8 MT-bench categories of 5 two-turn items, then 5 of 40 one-turn items, in blocks."""
+    two_turn = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
+    one_turn = ["translation", "summarization", "qa", "math_reasoning", "rag"]
+    rows, qid = [], 80
+    for category in two_turn + one_turn:
+        for _ in range(5 if category in two_turn else 40):
+            qid += 1
+            turns = [f"question {qid}", "follow-up"] if category in two_turn else [f"question {qid}"]
+            rows.append({"question_id": qid, "category": category, "turns": turns})
+    path = tmp_path / "spec_bench.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     items = load_dataset(str(path), limit=13)
-    assert len({i.category for i in items}) == 13
+    assert [i.category for i in items] == two_turn + one_turn
+    assert sum(len(i.turns) for i in items) == 21
+    assert len(load_dataset(str(path))) == 240
 
 
 def test_round_robin_order():

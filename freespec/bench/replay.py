@@ -25,7 +25,6 @@ forward times (``on_forward``) sees none: the result notes both.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -34,30 +33,16 @@ import numpy as np
 from ..config import SpecConfig
 from ..draft import Draft
 from ..tree import follow
+from .jsonl import read_jsonl
 
 
 def load_traces(path: str | Path) -> list[dict]:
     """Traces written by ``freespec bench --save-traces``: one JSON object per line."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"traces file {str(path)!r} does not exist")
-    traces = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                trace = json.loads(line)
-                check_trace(trace)
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{line_no}: not a trace ({exc})") from None
-            traces.append(trace)
-    if not traces:
-        raise ValueError(f"traces file {str(path)!r} holds no traces")
-    return traces
+    return read_jsonl(path, check_trace, "trace")
 
 
-def check_trace(trace: dict) -> None:
+def check_trace(trace: dict) -> dict:
+    """``trace`` if it has a prompt, output ids and ``max_new_tokens`` they fit in, else ``ValueError``."""
     for key in ("prompt_ids", "output_ids", "max_new_tokens"):
         if key not in trace:
             raise ValueError(f"trace lacks {key!r}")
@@ -66,6 +51,7 @@ def check_trace(trace: dict) -> None:
     if len(trace["output_ids"]) > trace["max_new_tokens"]:
         raise ValueError(f"trace has {len(trace['output_ids'])} output tokens, over max_new_tokens="
                          f"{trace['max_new_tokens']}")
+    return trace
 
 
 def accepted_path(draft: Draft, truth: np.ndarray) -> list[int]:

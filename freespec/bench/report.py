@@ -301,11 +301,3 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
     plt.close(fig)
     written.append(path)
     return written
-
-
-def write_traces(traces: Sequence[dict], path: str | Path) -> Path:
-    path = Path(path)
-    with path.open("w", encoding="utf-8") as f:
-        for trace in traces:
-            f.write(json.dumps(trace) + "\n")
-    return path
