@@ -204,36 +204,17 @@ def _set_omp_wait_policy() -> str:
 
 
 # ------------------------------------------------------------------------------ replay
-def parse_drafter_specs(text: str):
-    """``"prompt_lookup,suffix{min_match=3},arctic-suffix"`` -> [(label, MethodSpec), ...]."""
-    from .bench.methods import parse_method, split_methods
-
-    out = []
-    for part in split_methods(text):
-        label = "".join(part.split())
-        if label.startswith(("freespec", "arctic-suffix")):
-            method = parse_method(label)
-        else:
-            method = parse_method("freespec:" + label)
-        if method.kind not in ("freespec", "arctic-suffix"):
-            raise ValueError(f"{part!r} is not a drafter")
-        out.append((label, method))
-    labels = [label for label, _ in out]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"a drafter is listed twice in {text!r}")
-    return out
-
-
 def replay_command(args) -> int:
     import json
 
-    from .bench.methods import make_config, make_drafter
+    from .bench.methods import make_config, make_drafter, parse_drafters
     from .bench.replay import format_replay_table, load_traces, replay_tau
 
-    specs = parse_drafter_specs(args.drafters)
+    methods = parse_drafters(args.drafters)
     traces = load_traces(args.traces)
     results, skipped = {}, {}
-    for label, method in specs:
+    for method in methods:
+        label = method.label
         config = make_config(method)
         overrides = {}
         if args.max_draft_tokens is not None and "max_draft_tokens" not in method.spec_options:

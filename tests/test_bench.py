@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import re
 
@@ -11,7 +12,7 @@ import pytest
 
 from freespec.bench import datasets
 from freespec.bench.datasets import Item, format_prompt, load_dataset, round_robin
-from freespec.bench.methods import parse_method, parse_methods, split_methods
+from freespec.bench.methods import parse_drafters, parse_method, parse_methods, split_methods
 from freespec.bench.peers import ArcticSuffixDrafter, arctic_available, arctic_to_draft
 from freespec.bench.report import console_report, markdown_report, summarize, write_results
 from freespec.draft import Budget
@@ -187,6 +188,21 @@ def test_method_specs():
 def test_bad_method_specs_say_why(text, message):
     with pytest.raises(ValueError, match=message):
         parse_methods(text)
+
+
+def test_drafter_specs_for_replay():
+    specs = parse_drafters("prompt_lookup, suffix{min_match=3,max_draft_depth=8},freespec,freespec:suffix,arctic-suffix")
+    assert [m.label for m in specs] == ["prompt_lookup", "suffix{min_match=3,max_draft_depth=8}", "freespec",
+                                        "freespec:suffix", "arctic-suffix"]
+    assert [m.kind for m in specs] == ["freespec"] * 4 + ["arctic-suffix"]
+    assert specs[1].drafter == "suffix" and specs[1].drafter_options == {"min_match": 3}
+    assert specs[1].spec_options == {"max_draft_depth": 8} and specs[2].drafter is None
+    assert specs[1] == dataclasses.replace(parse_method("freespec:suffix{min_match=3,max_draft_depth=8}"),
+                                           label="suffix{min_match=3,max_draft_depth=8}")  # one grammar
+    for text, message in [("vanilla", "unknown drafter"), ("suffix,suffix", "listed twice"),
+                          ("suffix{min_match}", "key=value"), ("hf-pld:3", "cannot parse")]:
+        with pytest.raises(ValueError, match=message):
+            parse_drafters(text)
 
 
 def test_single_method_value_types():
