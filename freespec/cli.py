@@ -121,28 +121,12 @@ def demo_command(args) -> int:
 # ------------------------------------------------------------------------------ bench
 def bench_command(args, argv=None) -> int:
     omp_note = _set_omp_wait_policy()
-    from .bench.datasets import PLAIN_FORMAT_NOTE, has_chat_template, load_dataset
-    from .bench.methods import parse_methods
-
-    # everything that can be wrong with the arguments is checked before the model loads
-    methods = parse_methods(args.methods)
-    if args.temperature > 0 and args.save_traces:
-        raise ValueError("--save-traces records greedy outputs for replay: it needs --temperature 0")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
-    items = load_dataset(args.dataset, limit=args.limit, categories=categories)
+    methods, categories, items = _bench_inputs(args)  # every argument is checked before the model loads
 
     import torch
 
     from . import models
-    from .bench.environment import environment
-    from .bench.jsonl import write_jsonl
-    from .bench.report import console_report, summarize, write_results
+    from .bench.datasets import PLAIN_FORMAT_NOTE, has_chat_template
     from .bench.runner import run_bench
 
     if args.threads is not None:
@@ -163,8 +147,37 @@ def bench_command(args, argv=None) -> int:
     run = run_bench(model, tokenizer, items, methods, max_new_tokens=args.max_new_tokens,
                     temperature=args.temperature, seed=args.seed, warmup=not args.no_warmup,
                     save_traces=args.save_traces, progress=not args.no_progress)
+    results = _bench_results(args, argv, methods, categories, run, notes)
+    return _write_bench_outputs(args, results, run)
+
+
+def _bench_inputs(args):
+    """(methods, categories, items) from the arguments; anything wrong raises ``ValueError`` naming it."""
+    from .bench.datasets import load_dataset
+    from .bench.methods import parse_methods
+
+    methods = parse_methods(args.methods)
+    if args.temperature > 0 and args.save_traces:
+        raise ValueError("--save-traces records greedy outputs for replay: it needs --temperature 0")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    return methods, categories, load_dataset(args.dataset, limit=args.limit, categories=categories)
+
+
+def _bench_results(args, argv, methods, categories, run, notes: list[str]) -> dict:
+    """What results.json holds."""
+    import torch
+
+    from .bench.environment import environment
+    from .bench.report import summarize
+
     labels = [m.label for m in methods if m.label not in run.unavailable]
-    results = {
+    return {
         "config": {"model": args.model, "dataset": args.dataset, "methods": [m.label for m in methods],
                    "limit": args.limit, "categories": categories, "max_new_tokens": args.max_new_tokens,
                    "dtype": args.dtype, "temperature": args.temperature, "seed": args.seed,
@@ -178,6 +191,13 @@ def bench_command(args, argv=None) -> int:
         "summary": summarize(run.prompts, labels),
         "prompts": run.prompts,
     }
+
+
+def _write_bench_outputs(args, results: dict, run) -> int:
+    """Write the result files and print the report; the exit code."""
+    from .bench.jsonl import write_jsonl
+    from .bench.report import console_report, write_results
+
     written = write_results(results, args.out, plots=not args.no_plots)
     if args.save_traces:
         written.append(write_jsonl(run.traces, os.path.join(args.out, "traces.jsonl")))

@@ -321,6 +321,30 @@ def test_reports_and_files(tmp_path):
     assert saved["summary"]["overall"]["freespec"]["tau"] == 4.0
 
 
+# ------------------------------------------------------------------------------ runner pieces
+def test_conversation_puts_earlier_answers_in_the_history():
+    from freespec.bench.runner import conversation
+
+    item = Item("1", "c", ("first", "second", "third"))
+    assert conversation(item, 0, []) == [{"role": "user", "content": "first"}]
+    assert conversation(item, 2, ["A", "B"]) == [
+        {"role": "user", "content": "first"}, {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "second"}, {"role": "assistant", "content": "B"},
+        {"role": "user", "content": "third"}]
+    with pytest.raises(ValueError, match="needs the answers"):
+        conversation(item, 2, ["A"])
+
+
+def test_compare_outputs_records_the_first_difference():
+    from freespec.bench.runner import compare_outputs
+
+    outputs = {"vanilla": [1, 2, 3], "same": [1, 2, 3], "short": [1, 2], "other": [1, 9, 3, 4]}
+    assert compare_outputs(outputs, "vanilla") == [
+        {"method": "short", "reference": "vanilla", "first_difference": 2, "len": 2, "reference_len": 3},
+        {"method": "other", "reference": "vanilla", "first_difference": 1, "len": 4, "reference_len": 3}]
+    assert compare_outputs({"a": [5]}, "a") == []
+
+
 # ------------------------------------------------------------------------------ end to end
 @pytest.fixture
 def tiny_model(monkeypatch):

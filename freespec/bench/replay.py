@@ -32,6 +32,7 @@ import numpy as np
 
 from ..config import SpecConfig
 from ..draft import Draft
+from ..drafters.base import Drafter
 from ..tree import follow
 from .jsonl import read_jsonl
 
@@ -121,14 +122,13 @@ def replay_tau(traces: Sequence[dict], drafter_factory: Callable[[], object], co
     config = config or SpecConfig()
     drafter = drafter_factory()
     notes = []
-    if int(getattr(drafter, "observe_top_k", 0) or 0) > 0:
-        notes.append(f"{getattr(drafter, 'name', 'drafter')} reads the target's top-k (observe_top_k > 0): replay "
-                     f"makes no observe() calls, so its tau here is not what generate() measures")
-    if config.adaptive_budget and getattr(type(drafter), "on_forward", None) not in (None, _base_on_forward()):
-        notes.append(f"{getattr(drafter, 'name', 'drafter')} sizes drafts from measured forward times: replay has "
-                     f"none, so it uses the fixed budget (max_draft_tokens={config.max_draft_tokens})")
-    if hasattr(drafter, "warmup"):
-        drafter.warmup()
+    if drafter.observe_top_k > 0:
+        notes.append(f"{drafter.name} reads the target's top-k (observe_top_k > 0): replay makes no observe() "
+                     f"calls, so its tau here is not what generate() measures")
+    if config.adaptive_budget and type(drafter).on_forward is not Drafter.on_forward:
+        notes.append(f"{drafter.name} sizes drafts from measured forward times: replay has none, so it uses the "
+                     f"fixed budget (max_draft_tokens={config.max_draft_tokens})")
+    drafter.warmup()
     per_trace = []
     for index, trace in enumerate(traces):
         check_trace(trace)
@@ -147,12 +147,6 @@ def replay_tau(traces: Sequence[dict], drafter_factory: Callable[[], object], co
         "per_trace": per_trace,
         "notes": notes,
     }
-
-
-def _base_on_forward():
-    from ..drafters.base import Drafter
-
-    return getattr(Drafter, "on_forward", None)
 
 
 def format_replay_table(results: dict[str, dict]) -> str:
