@@ -191,7 +191,8 @@ def test_bad_method_specs_say_why(text, message):
 
 
 def test_drafter_specs_for_replay():
-    specs = parse_drafters("prompt_lookup, suffix{min_match=3,max_draft_depth=8},freespec,freespec:suffix,arctic-suffix")
+    specs = parse_drafters("prompt_lookup, suffix{min_match=3,max_draft_depth=8},freespec,freespec:suffix,"
+                           "arctic-suffix")
     assert [m.label for m in specs] == ["prompt_lookup", "suffix{min_match=3,max_draft_depth=8}", "freespec",
                                         "freespec:suffix", "arctic-suffix"]
     assert [m.kind for m in specs] == ["freespec"] * 4 + ["arctic-suffix"]
@@ -280,7 +281,12 @@ def _synthetic_results():
         "config": {"model": "m", "dataset": "d", "methods": labels, "max_new_tokens": 100, "dtype": "float32",
                    "temperature": 0.0},
         "environment": {"cpu_model": "cpu", "torch_threads": 2, "torch": "t", "transformers": "tf",
-                        "freespec": "f", "date": "today", "command": "freespec bench ..."},
+                        "freespec": "f", "date": "today", "command": "freespec bench ...",
+                        "cpu_features": {"amx_bf16": True, "avx512f": True, "avx2": False},
+                        "torch_cpu_capability": "AVX512", "gpu": None},
+        "cost_curve": {"sizes": [1, 2, 4], "ms": [10.0, 12.0, 15.0], "ratios": [1.0, 1.2, 1.5],
+                       "prefill": {"tokens": 512, "ms": 200.0}, "prefix_tokens": 512, "repeats": 5, "threads": 2,
+                       "dtype": "float32", "device": "cpu"},
         "greedy": True, "reference": "vanilla",
         "unavailable": {"arctic-suffix": "arctic-inference is not installed"},
         "mismatches": [{"prompt_index": 2, "method": "freespec", "first_difference": 5}],
@@ -311,11 +317,14 @@ def test_reports_and_files(tmp_path):
     assert "METHOD NOT RUN: arctic-suffix" in text and "GREEDY OUTPUT MISMATCH" in text
     md = markdown_report(results)
     assert "| method | tau |" in md and "**METHOD NOT RUN: arctic-suffix" in md
+    assert "CPU matrix features: amx_bf16, avx512f; torch CPU capability AVX512; GPU: none." in md
+    assert "| 4 | 15.0 | 1.50 |" in md and "| 512 (prefill) | 200.0 | 20.00 |" in md
+    assert "Cost of a forward feeding k tokens over 512 cached ones" in text
     written = write_results(results, tmp_path / "out")
     names = {p.name for p in written}
     assert {"results.json", "results.md"} <= names
     pytest.importorskip("matplotlib")
-    assert {"speedup_by_category.png", "tau_by_category.png", "tau_distribution.png"} <= names
+    assert {"speedup_by_category.png", "tau_by_category.png", "tau_distribution.png", "cost_curve.png"} <= names
     assert all(p.stat().st_size > 1000 for p in written)
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["summary"]["overall"]["freespec"]["tau"] == 4.0
@@ -387,6 +396,10 @@ def test_bench_end_to_end_then_replay(tmp_path, tiny_model, capsys):
     assert "PASSIVE" in " ".join(results["notes"]) or "OMP_WAIT_POLICY" in " ".join(results["notes"])
     assert (out / "results.md").read_text().startswith("Model `tiny`")
     assert "Overall" in text
+    env, probe = results["environment"], results["cost_curve"]
+    assert "cpu_features" in env and "gpu" in env and "torch_cpu_capability" in env
+    assert probe["sizes"] == [1, 2, 4, 8, 16, 32, 64] and probe["ratios"][0] == 1.0 and probe["threads"] == 1
+    assert "Cost of a forward" in (out / "results.md").read_text() and "Cost of a forward" in text
 
     traces = [json.loads(line) for line in (out / "traces.jsonl").read_text().splitlines()]
     assert [t["category"] for t in traces] == ["rep", "rep", "other"]
@@ -401,6 +414,15 @@ def test_bench_end_to_end_then_replay(tmp_path, tiny_model, capsys):
     engine_forwards = sum(p["methods"]["freespec:prompt_lookup{min_match=1,max_draft_tokens=8}"]["forwards"]
                           for p in results["prompts"])
     assert replayed["overall"]["forwards"] == engine_forwards
+
+    method = "freespec:prompt_lookup{min_match=1,max_draft_tokens=8}"
+    code = main(["replay", str(out / "traces.jsonl"), "--drafters", method,
+                 "--cost-curve", str(out / "results.json"), "--json", str(tmp_path / "replay.json")])
+    assert code == 0, capsys.readouterr().out
+    saved = json.loads((tmp_path / "replay.json").read_text())
+    assert saved["cost_curve"]["one_token_ms"] == probe["ms"][0]
+    assert saved["cost_curve"]["sizes"] == probe["sizes"] + [probe["prefill"]["tokens"]]
+    assert saved["results"][method]["overall"]["forwards"] == engine_forwards
 
 
 def test_bench_reports_a_mismatch_and_exits_nonzero(tmp_path, tiny_model, monkeypatch, capsys):
@@ -419,12 +441,12 @@ def test_bench_reports_a_mismatch_and_exits_nonzero(tmp_path, tiny_model, monkey
     monkeypatch.setattr(runner.MethodRunner, "generate", corrupt)
     args = ["bench", "--model", "tiny", "--dataset", str(_dataset(tmp_path)), "--methods", "vanilla,hf-pld",
             "--limit", "1", "--categories", "other", "--max-new-tokens", "6", "--no-warmup", "--no-progress",
-            "--no-plots", "--out", str(tmp_path / "mm")]
+            "--no-plots", "--no-cost-probe", "--out", str(tmp_path / "mm")]
     assert main(args) == 1
     captured = capsys.readouterr()
     assert "OUTPUT MISMATCH" in captured.out and "mismatch" in captured.err
     results = json.loads((tmp_path / "mm" / "results.json").read_text())
-    assert results["mismatches"][0]["method"] == "hf-pld"
+    assert results["mismatches"][0]["method"] == "hf-pld" and results["cost_curve"] is None
     assert main(args + ["--allow-mismatch"]) == 0
 
 
