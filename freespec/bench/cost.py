@@ -105,8 +105,9 @@ class CostCurve:
             raise ValueError(f"{argument}: {str(path)!r} holds no measured cost curve (a results.json of freespec "
                              f"bench run without --no-cost-probe)")
         config = results.get("config", {})
+        threads = probe.get("threads", "?")
         source = (f"{path} (measured: {config.get('model', '?')}, {config.get('dtype', '?')}, "
-                  f"{probe.get('threads', '?')} threads)")
+                  f"{threads} thread{'' if threads == 1 else 's'})")
         try:
             points = {int(k): float(ms) for k, ms in zip(probe["sizes"], probe["ms"])}
             prefill = probe.get("prefill")

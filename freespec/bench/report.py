@@ -154,7 +154,11 @@ def category_rows(summary: dict, what: str) -> tuple[list[str], list[list[str]]]
 
 def cost_title(cost_curve: dict) -> str:
     return (f"Cost of a forward feeding k tokens over {cost_curve['prefix_tokens']} cached ones (median of "
-            f"{cost_curve['repeats']}; c(k) = ms / ms at k=1; {cost_curve['dtype']}, {cost_curve['threads']} threads)")
+            f"{cost_curve['repeats']}; c(k) = ms / ms at k=1; {cost_curve['dtype']}, {_threads(cost_curve)})")
+
+
+def _threads(cost_curve: dict) -> str:
+    return f"{cost_curve['threads']} thread{'' if cost_curve['threads'] == 1 else 's'}"
 
 
 def cost_rows(cost_curve: dict) -> tuple[list[str], list[list[str]]]:
@@ -354,7 +358,7 @@ def plot_cost_curve(plt, results: dict, path: Path) -> Path:
     ax.set_xlabel(f"tokens fed (over {cost_curve['prefix_tokens']} cached)")
     ax.set_ylabel("c(k): forward time / one-token forward time")
     ax.set_title(f"Cost of a forward: {results['config']['model']}, {cost_curve['dtype']}, "
-                 f"{cost_curve['threads']} threads\n{env.get('gpu') or env.get('cpu_model', '?')}", fontsize="medium")
+                 f"{_threads(cost_curve)}\n{env.get('gpu') or env.get('cpu_model', '?')}", fontsize="medium")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
