@@ -151,7 +151,7 @@ def replay_tau(traces: Sequence[dict], drafter_factory: Callable[[], object], co
     """Exact greedy tau of the drafter from ``drafter_factory()`` on ``traces``; with ``cost``, its simulated speed.
 
     One drafter replays every trace in order (as one patched model serves
-    successive ``generate()`` calls, so shared corpora fill up the same way).
+    successive ``generate()`` calls, so a request history fills up the same way).
     ``config`` gives ``max_draft_tokens`` and ``max_draft_depth`` (its
     ``drafter`` field is ignored). Returns ``{"overall": {...}, "per_category":
     {name: {...}}, "per_trace": [...], "notes": [...]}`` where each summary has

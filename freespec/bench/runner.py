@@ -77,7 +77,7 @@ class MethodRunner:
         return cls(method, drafter)
 
     def warmup_copy(self) -> "MethodRunner":
-        """A runner with a fresh drafter: the warm-up must not leave text in the timed drafter's corpus
+        """A runner with a fresh drafter: the warm-up must not leave text in the timed drafter's request history
         (``freespec replay`` replays the timed prompts alone, and must see the same drafter state)."""
         if not self.method.speculative:
             return self
