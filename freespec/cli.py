@@ -2,7 +2,7 @@
 
     freespec bench --model smollm2-135m --dataset builtin:code-edit \\
         --methods vanilla,hf-pld,freespec,freespec:suffix{min_match=3} --limit 20 --out runs/code-edit
-    freespec replay runs/code-edit/traces.jsonl --drafters prompt_lookup,suffix
+    freespec replay runs/code-edit/traces.jsonl --drafters prompt_lookup,suffix --cost-curve runs/code-edit/results.json
 
 ``freespec bench`` sets ``OMP_WAIT_POLICY=PASSIVE`` before torch is imported
 unless the variable is already set: with OpenMP's default busy-waiting, threads
@@ -76,7 +76,7 @@ def _add_bench_parser(sub) -> None:
                        help="exit 0 even if a greedy output differs from vanilla (still reported)")
     bench.add_argument("--no-warmup", action="store_true", help="skip the warm-up generate() of each method")
     bench.add_argument("--no-cost-probe", action="store_true",
-                       help="skip measuring the cost curve c(k) before the prompts (~15 s on smollm2-135m)")
+                       help="skip measuring the cost curve c(k) before the prompts (~20 s on smollm2-135m)")
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--out", required=True, help="output directory")
