@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from freespec import models
+from freespec.testing.models import tiny_random
 
 
 @functools.lru_cache(maxsize=None)
@@ -24,12 +25,12 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def tiny_llama():
-    return models.tiny_random_llama(vocab_size=128, seed=0)
+    return tiny_random("llama", vocab_size=128, seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_gemma3():
-    return models.tiny_random_gemma3(vocab_size=128, seed=0)
+    return tiny_random("gemma3", vocab_size=128, seed=0)
 
 
 def plain_generate(model, *args, **kwargs):

@@ -9,7 +9,7 @@ import torch
 import freespec
 from freespec.draft import Budget, Draft
 from freespec.drafters.base import Drafter, ForwardReport, VerifyOutput
-from freespec.drafters.testing import OracleDrafter
+from freespec.testing.drafters import OracleDrafter
 from freespec.engine import ModelTraits, compact_cache, make_cache, tree_forward
 
 from conftest import plain_generate

@@ -11,7 +11,7 @@ import torch
 
 import freespec
 from freespec.demo import EXAMPLE_CODE
-from freespec.drafters.testing import OracleDrafter, WrongDrafter
+from freespec.testing.drafters import OracleDrafter, WrongDrafter
 
 from conftest import plain_generate
 
@@ -94,7 +94,7 @@ def test_logits_processors_apply_on_the_right_prefix(tiny_llama):
 
 
 def test_eager_attention_matches_plain():
-    from freespec.models import tiny_random_llama
+    from freespec.testing.models import tiny_random_llama
 
     model = tiny_random_llama(seed=3, attn_implementation="eager")
     prompt = _prompts(128, 1)[2]

@@ -16,9 +16,9 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 import freespec
 from freespec.draft import Budget, Draft
 from freespec.drafters.base import Drafter
-from freespec.drafters.testing import OracleDrafter
+from freespec.testing.drafters import OracleDrafter
 from freespec.integrations.transformers import is_patched
-from freespec.models import tiny_random_llama
+from freespec.testing.models import tiny_random_llama
 
 from conftest import plain_generate
 

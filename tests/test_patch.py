@@ -7,7 +7,7 @@ import torch
 
 import freespec
 from freespec import SpecConfig
-from freespec.models import tiny_random_llama
+from freespec.testing.models import tiny_random_llama
 
 from conftest import plain_generate
 

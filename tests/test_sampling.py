@@ -23,7 +23,7 @@ import torch
 import freespec
 from freespec.draft import Budget, Draft
 from freespec.drafters.base import Drafter
-from freespec.models import tiny_random_llama
+from freespec.testing.models import tiny_random_llama
 
 from conftest import plain_generate
 

@@ -31,13 +31,14 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
-import json
 import random
 import re
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
+
+from .jsonl import read_jsonl
 
 
 @dataclass(frozen=True)
@@ -109,27 +110,18 @@ def round_robin(items: list[Item], limit: int) -> list[Item]:
 
 def read_spec_bench(path: str | Path) -> list[Item]:
     """Items of a Spec-Bench JSONL file (``question_id``, ``category``, ``turns``)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"dataset file {str(path)!r} does not exist (or use builtin:{'|'.join(BUILTIN)})")
-    items = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                turns = record["turns"]
-                if isinstance(turns, str):
-                    turns = [turns]
-                if not turns or not all(isinstance(t, str) for t in turns):
-                    raise ValueError("turns must be a non-empty list of strings")
-                items.append(Item(str(record["question_id"]), str(record.get("category", "all")), tuple(turns)))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{line_no}: not a Spec-Bench record ({exc})") from None
-    if not items:
-        raise ValueError(f"dataset file {str(path)!r} holds no items")
-    return items
+    return read_jsonl(path, spec_bench_item, "Spec-Bench record",
+                      missing_hint=f" (or use builtin:{'|'.join(BUILTIN)})")
+
+
+def spec_bench_item(record: dict) -> Item:
+    """``{"question_id": 7, "category": "qa", "turns": ["hi"]}`` -> ``Item("7", "qa", ("hi",))``."""
+    turns = record["turns"]
+    if isinstance(turns, str):
+        turns = [turns]
+    if not turns or not all(isinstance(t, str) for t in turns):
+        raise ValueError("turns must be a non-empty list of strings")
+    return Item(str(record["question_id"]), str(record.get("category", "all")), tuple(turns))
 
 
 # --------------------------------------------------------------------------- code sources

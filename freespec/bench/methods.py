@@ -15,6 +15,9 @@
 Values are ints, floats, ``true``/``false``, ``none`` or bare strings:
 ``freespec:suffix{min_match=3,max_draft_tokens=32}`` ->
 ``SpecConfig(drafter="suffix", drafter_options={"min_match": 3}, max_draft_tokens=32)``.
+
+``freespec replay --drafters`` takes the speculative methods of the same grammar with the
+``freespec:`` prefix optional (``parse_drafters``): ``prompt_lookup,suffix{min_match=3},arctic-suffix``.
 """
 
 from __future__ import annotations
@@ -168,11 +171,29 @@ def _check_spec_options(spec_options: dict[str, Any], where: str) -> None:
 
 def parse_methods(text: str) -> list[MethodSpec]:
     """Parse a comma-separated list; duplicate labels raise."""
-    methods = [parse_method(part) for part in split_methods(text)]
+    return _unique([parse_method(part) for part in split_methods(text)])
+
+
+def parse_drafters(text: str) -> list[MethodSpec]:
+    """``freespec replay --drafters``: speculative methods, the ``freespec:`` prefix optional.
+
+    ``"prompt_lookup,suffix{min_match=3},arctic-suffix"`` -> methods labelled as
+    written, parsed as ``freespec:prompt_lookup``, ``freespec:suffix{min_match=3}``
+    and ``arctic-suffix``; ``freespec`` alone is the default drafter.
+    """
+    methods = []
+    for part in split_methods(text):
+        label = re.sub(r"\s+", "", part)
+        method = parse_method(label if label.startswith(("freespec", "arctic-suffix")) else "freespec:" + label)
+        methods.append(dataclasses.replace(method, label=label))
+    return _unique(methods)
+
+
+def _unique(methods: list[MethodSpec]) -> list[MethodSpec]:
     labels = [m.label for m in methods]
     duplicates = sorted({label for label in labels if labels.count(label) > 1})
     if duplicates:
-        raise ValueError(f"method(s) listed twice: {', '.join(duplicates)}")
+        raise ValueError(f"listed twice: {', '.join(duplicates)}")
     return methods
 
 
