@@ -14,10 +14,10 @@ import freespec
 from freespec.batch import KVLayout, RowStep
 from freespec.draft import Budget, Draft
 from freespec.drafters.base import Drafter
-from freespec.drafters.testing import OracleDrafter, WrongDrafter
+from freespec.testing.drafters import OracleDrafter, WrongDrafter
 from freespec.engine import ModelTraits, forward_rows, make_cache
 from freespec.integrations.transformers import is_patched
-from freespec.models import tiny_random_gemma3, tiny_random_llama
+from freespec.testing.models import tiny_random_gemma3, tiny_random_llama
 
 from conftest import plain_generate
 
