@@ -23,7 +23,8 @@ import os
 import sys
 
 from . import options
-from .draft_server import DraftServer, to_sglang_tree
+from .draft_server import DraftServer
+from .tree_format import to_sglang_tree, write_sglang_trees
 
 logger = logging.getLogger(__name__)
 
@@ -62,4 +63,4 @@ def unregister() -> None:
     hooks.uninstall()
 
 
-__all__ = ["DraftServer", "enabled", "options", "register", "to_sglang_tree", "unregister"]
+__all__ = ["DraftServer", "enabled", "options", "register", "to_sglang_tree", "unregister", "write_sglang_trees"]
