@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -342,6 +343,24 @@ def test_prompt_lookup_drafts_from_the_offered_prompt():
     tokens, mask = corpus.batch_get(["r"], [prompt[-4:]], [len(prompt)])
     ((real_tokens, real_parents),) = check_sglang_tree(tokens, mask, [51], 6)
     assert real_tokens == [52, 53, 54, 55, 56] and real_parents == [-1, 0, 1, 2, 3]
+
+
+def test_log_lines_show_drafts_being_served(caplog, monkeypatch):
+    from freespec.integrations.sglang import draft_server
+
+    monkeypatch.setattr(draft_server, "LOG_EVERY", 3)
+    corpus = DraftServer(max_trie_depth=8, draft_token_num=6, drafter="prompt_lookup")
+    phrase = list(range(100, 110))
+    with caplog.at_level(logging.INFO, logger="freespec"):
+        corpus.batch_get(["a"], [[1, 2, 3]], [3])  # nothing to draft yet
+        corpus.offer_contexts([("b", phrase + phrase[:3], [])])
+        corpus.batch_get(["a", "b"], [[1, 2, 3, 4], (phrase + phrase[:3])[-8:]], [4, 13])
+        corpus.batch_get(["b"], [(phrase + phrase[:4])[-8:]], [14])
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages == ["freespec: serving drafts from drafter 'prompt_lookup' (first: 5 nodes for 2 requests)",
+                        "freespec: drafter 'prompt_lookup' served 3 decode steps, 2.50 draft nodes per request, "
+                        "1 live requests, 0 restarts"]
+    assert (corpus.num_steps, corpus.num_rows, corpus.num_drafted) == (3, 4, 10)
 
 
 # --------------------------------------------------------------- multimodal

@@ -66,6 +66,7 @@ logger = logging.getLogger(__name__)
 
 # SGLang's MM_PAD_SHIFT_VALUE: image-padding ids start here, and SGLang refuses larger vocabularies
 SGLANG_PAD_START = 1_000_000
+LOG_EVERY = 2000  # decode steps between two "freespec: served" log lines
 _EMPTY = Draft.empty()
 
 
@@ -139,6 +140,7 @@ class DraftServer:
         self.token_bound = SGLANG_PAD_START  # no id >= this is drafted (set_vocab_size lowers it)
         self.vocab_size: int | None = None
         self.num_restarts = 0  # requests restarted because their tail did not line up
+        self.num_steps = self.num_rows = self.num_drafted = 0  # batch_get calls, requests, drafted nodes
         self._budget = Budget(self.draft_token_num - 1, self.draft_token_num - 1)
         self._requests: dict[Hashable, _Request] = {}  # insertion order = batch order (deterministic)
         self._offered: dict[Hashable, tuple] = {}  # req_id -> (host prompt, output, drafting prompt)
@@ -189,7 +191,10 @@ class DraftServer:
             drafts.append(self.drafter.propose(req_id, self._budget))
             root_ids.append(tail[-1])
         self._offered.clear()
-        return write_sglang_trees(drafts, root_ids, self.draft_token_num, self.token_bound)
+        num_nodes = np.zeros(len(drafts), np.int64)
+        out = write_sglang_trees(drafts, root_ids, self.draft_token_num, self.token_bound, num_nodes)
+        self._count(int(num_nodes.sum()), len(drafts))
+        return out
 
     def offer_contexts(self, requests: Iterable[tuple]) -> None:
         """``(req_id, prompt_ids, output_ids[, drafting_prompt_ids])`` of the coming batch.
@@ -254,6 +259,20 @@ class DraftServer:
         return self._external.token_counts()
 
     # --------------------------------------------------------------- helpers
+    def _count(self, num_drafted: int, num_rows: int) -> None:
+        """Serving statistics, and the log lines that show drafts are served (``gpu_check.sh`` reads them)."""
+        first = self.num_drafted == 0 and num_drafted > 0
+        self.num_steps += 1
+        self.num_rows += num_rows
+        self.num_drafted += num_drafted
+        if first:
+            logger.info("freespec: serving drafts from drafter %r (first: %d nodes for %d requests)",
+                        self.drafter_name, num_drafted, num_rows)
+        if self.num_steps % LOG_EVERY == 0:
+            logger.info("freespec: drafter %r served %d decode steps, %.2f draft nodes per request, "
+                        "%d live requests, %d restarts", self.drafter_name, self.num_steps,
+                        self.num_drafted / max(1, self.num_rows), len(self._requests), self.num_restarts)
+
     def _stop(self, req_id: Hashable) -> None:
         del self._requests[req_id]
         self.drafter.stop(req_id)
@@ -266,8 +285,10 @@ class DraftServer:
         for req_id in [r for r in self._requests if r not in present]:  # batch order, not set order
             self._stop(req_id)
 
-    def _draftable(self, ids) -> np.ndarray:
-        """``ids`` as int64 with every id at or above ``token_bound`` replaced by ``token_bound``."""
+    def _draftable(self, ids: list | np.ndarray):
+        """``ids`` with every id at or above ``token_bound`` replaced by ``token_bound`` (as they are when none is)."""
+        if len(ids) == 0 or (ids.max() if isinstance(ids, np.ndarray) else max(ids)) < self.token_bound:
+            return ids
         return np.minimum(np.asarray(ids, np.int64), self.token_bound)
 
     def _sync(self, req_id: Hashable, tail: list, total_len: int) -> None:

@@ -52,9 +52,9 @@ def _check_draft(token_ids, parents):  # [n] int64, [n] int32 -> 0 or an _ERRORS
 
 
 @numba.njit(cache=True)
-def _write_rows_kernel(token_ids, parents, offsets, root_ids, token_bound, out_tokens, out_mask, status):
+def _write_rows_kernel(token_ids, parents, offsets, root_ids, token_bound, out_tokens, out_mask, status, num_nodes):
     # token_ids [N] int64, parents [N] int32 (draft-local), offsets [B + 1] int64, root_ids [B] int64,
-    # out_tokens [B, D] int64 zeros, out_mask [B, D, D] int64 zeros, status [B] int64
+    # out_tokens [B, D] int64 zeros, out_mask [B, D, D] int64 zeros, status [B] int64, num_nodes [B] int64
     num_slots = out_tokens.shape[1]
     kept = np.empty(num_slots, np.int64)  # draft node -> its index among kept nodes, or -1
     kept_tokens = np.empty(num_slots, np.int64)
@@ -79,6 +79,7 @@ def _write_rows_kernel(token_ids, parents, offsets, root_ids, token_bound, out_t
                 kept_tokens[num_kept] = token_ids[lo + i]
                 kept_parents[num_kept] = -1 if parent < 0 else kept[parent]
                 num_kept += 1
+        num_nodes[b] = num_kept
         bfs_order_kernel(kept_parents[:num_kept], order[:num_kept])
         for k in range(num_kept):
             slot_of[order[k]] = k + 1
@@ -106,6 +107,7 @@ def write_sglang_trees(
     root_token_ids: Sequence[int],
     num_draft_tokens: int,
     token_bound: int = NO_BOUND,
+    out_num_nodes: np.ndarray | None = None,  # [bs] int64: drafted nodes per request, written in place
 ) -> tuple[np.ndarray, np.ndarray]:
     """(token_ids [bs * D], mask [bs * D * D]), int64, for one draft and root token per request."""
     if num_draft_tokens < 1:
@@ -120,8 +122,9 @@ def write_sglang_trees(
     out_tokens = np.zeros((len(fitted), num_draft_tokens), np.int64)
     out_mask = np.zeros((len(fitted), num_draft_tokens, num_draft_tokens), np.int64)
     status = np.zeros(len(fitted), np.int64)
+    num_nodes = np.zeros(len(fitted), np.int64) if out_num_nodes is None else out_num_nodes
     _write_rows_kernel(token_ids, parents, offsets, np.asarray(root_token_ids, np.int64), int(token_bound),
-                       out_tokens, out_mask, status)
+                       out_tokens, out_mask, status, num_nodes)
     bad = np.nonzero(status)[0]
     if bad.size:
         row = int(bad[0])
