@@ -212,8 +212,10 @@ def original(target: str):
 
 def uninstall() -> None:
     """Drop the hooks and put every original back, in every module that took a copy."""
+    global _worker_reads_unpadded
     if not _originals:
         return
+    _worker_reads_unpadded = False
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     ours = {add_cli_args_after, from_cli_args_around, DraftServer, prepare_draft_tokens_before}
