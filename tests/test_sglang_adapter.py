@@ -620,6 +620,23 @@ def test_corpora_come_and_go_while_drafting(index_builds):
     assert not any(in_batch_get for _, in_batch_get in index_builds)
 
 
+# ---------------------------------------------------------------- benchmark
+def test_bench_makes_the_same_calls_on_every_corpus():
+    from freespec.integrations.sglang import bench
+
+    rows = bench.run([1, 4], ["prompt_lookup"], steps=5, prompt_len=200, num_draft_tokens=8, depth=12, seed=0,
+                     with_sglang=False, forward_ms=0.0)
+    assert [(r["batch"], r["corpus"]) for r in rows] == [
+        (1, "freespec adapter only"), (1, "freespec prompt_lookup"),
+        (4, "freespec adapter only"), (4, "freespec prompt_lookup")]
+    assert all(r["get"] > 0 and r["step"] >= r["get"] for r in rows)
+    assert rows[0]["nodes"] == 7.0 and rows[3]["nodes"] > 0  # the fixed chain fills D - 1; outputs copy prompts
+    table = bench.table(rows + [{"batch": 4, "corpus": "sglang C++ NgramCorpus", "start": 1.0, "get": rows[3]["get"] / 2,
+                                 "step": 1.0, "nodes": 3.0}]).splitlines()
+    assert table[0].startswith("| batch | corpus |") and table[5].endswith("| 2.00 | " + f"{rows[3]['nodes']:.1f} |")
+    assert set(bench.time_tree_rows([1, 8], 8, 0, repeats=2)) == {1, 8}
+
+
 # ------------------------------------------------------------------ options
 EXAMPLE_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "sglang" / "freespec.json"
 

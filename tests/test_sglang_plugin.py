@@ -102,6 +102,10 @@ def test_same_format_as_sglang_cpp_corpus(results):
     _report(results, "same_format_as_sglang_cpp_corpus")
 
 
+def test_bench_runs_beside_the_cpp_corpus(results):
+    _report(results, "bench_runs_beside_the_cpp_corpus")
+
+
 def test_unregister_restores_sglang(results):
     _report(results, "unregister_restores_sglang")
 
@@ -457,6 +461,20 @@ def same_format_as_sglang_cpp_corpus():
     for corpus in (cpp, ours):
         corpus.erase_match_state(list(sequences))
         corpus.reset()
+
+
+@check
+def bench_runs_beside_the_cpp_corpus():
+    from freespec.integrations.sglang import DraftServer, bench
+
+    try:
+        cpp = bench.sglang_corpus(12, 8)
+    except Exception as exc:  # the C++ JIT build needs a compiler and tvm-ffi
+        raise Skip(f"SGLang's C++ NgramCorpus cannot be built here: {type(exc).__name__}: {exc}") from None
+    assert not isinstance(cpp, DraftServer)  # SGLang's own, though the plugin's hooks are installed
+    rows = bench.run([2], ["suffix"], steps=3, prompt_len=100, num_draft_tokens=8, depth=12, seed=0, forward_ms=0.0)
+    assert [r["corpus"] for r in rows] == ["sglang C++ NgramCorpus", "freespec adapter only", "freespec suffix"]
+    assert "| 1.00 |" in bench.table(rows).splitlines()[2]
 
 
 @check

@@ -19,7 +19,11 @@ script sleeps ``--forward-ms`` (untimed), standing for the GPU forward during
 which the C++ corpus inserts ``batch_put``'s tails on its own thread.
 ``freespec adapter only`` serves a drafter that proposes one fixed chain
 without any lookup: what ``DraftServer`` itself costs (request sync, tree rows).
+Last, the tree rows alone (``write_sglang_trees``) per request.
 
+Times are the calling thread's CPU time (``time.thread_time``): what the
+scheduler thread spends, whatever else the machine runs meanwhile; the C++
+corpus's insert thread is not counted (its work overlaps the GPU forward).
 Needs sglang importable (its C++ corpus compiles on first use, ~40 s; ``--no-sglang``
 skips it). Columns: ``get`` = ``batch_get`` per request, ``step`` =
 everything the worker calls per step per request (ours: offer + get + put;
@@ -37,6 +41,7 @@ from freespec.draft import Budget, Draft
 from freespec.drafters import Drafter
 
 from .draft_server import DraftServer
+from .tree_format import write_sglang_trees
 
 
 class FixedChain(Drafter):
@@ -97,22 +102,22 @@ class _Stream:
 
 
 def time_corpus(corpus, stream: _Stream, steps: int, ours: bool, forward_s: float) -> dict:
-    """Microseconds per request: start (first batch_get), get, step; and mean drafted nodes."""
+    """CPU microseconds per request: start (first batch_get), get, step; and mean drafted nodes."""
     batch_size, d = len(stream.rids), corpus.draft_token_num
     get_s = step_s = 0.0
     nodes = 0
     for step in range(steps + 1):
         tails, lens = stream.tails()
-        begin = time.perf_counter()
+        begin = time.thread_time()
         if ours:
             corpus.offer_contexts(stream.offers())
         else:
             corpus.synchronize()
-        got = time.perf_counter()
+        got = time.thread_time()
         token_ids, _ = corpus.batch_get(stream.rids, tails, lens)
-        done = time.perf_counter()
+        done = time.thread_time()
         corpus.batch_put(tails)
-        end = time.perf_counter()
+        end = time.thread_time()
         time.sleep(forward_s)  # the GPU forward: C++ inserts the tails meanwhile
         if step == 0:
             start_s = end - begin  # requests start: prompts are indexed
@@ -128,8 +133,12 @@ def time_corpus(corpus, stream: _Stream, steps: int, ours: bool, forward_s: floa
 
 def sglang_corpus(depth: int, num_draft_tokens: int):
     """SGLang's own C++ NgramCorpus with the worker's default knobs (0.5.23 flags' defaults)."""
-    from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
+    from . import hooks
 
+    if hooks.installed():  # the plugin replaced it where SGLang imports it
+        NgramCorpus = hooks.original(hooks.NGRAM_CORPUS)
+    else:
+        from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
     return NgramCorpus(max_trie_depth=depth, min_bfs_breadth=1, max_bfs_breadth=10, draft_token_num=num_draft_tokens,
                        match_type="BFS", capacity=10_000_000)
 
@@ -158,6 +167,24 @@ def run(batch_sizes, drafters, steps: int, prompt_len: int, num_draft_tokens: in
     return rows
 
 
+def time_tree_rows(batch_sizes, num_draft_tokens: int, seed: int, repeats: int = 20) -> dict[int, float]:
+    """CPU microseconds per request of ``write_sglang_trees`` alone, on branchy drafts of D - 1 nodes."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for batch_size in batch_sizes:
+        drafts = [Draft.from_sequences([rng.integers(1, 50, num_draft_tokens).tolist() for _ in range(4)],
+                                       num_nodes=num_draft_tokens - 1) for _ in range(batch_size)]
+        roots = [1] * batch_size
+        write_sglang_trees(drafts, roots, num_draft_tokens)
+        best = float("inf")
+        for _ in range(repeats):
+            begin = time.thread_time()
+            write_sglang_trees(drafts, roots, num_draft_tokens)
+            best = min(best, time.thread_time() - begin)
+        out[batch_size] = best * 1e6 / batch_size
+    return out
+
+
 def table(rows: list[dict]) -> str:
     """Markdown table; ``x C++`` is get time over the C++ corpus's at the same batch size."""
     reference = {row["batch"]: row["get"] for row in rows if row["corpus"].startswith("sglang")}
@@ -182,10 +209,14 @@ def main(argv=None) -> None:
     parser.add_argument("--forward-ms", type=float, default=5.0, help="untimed pause standing for the GPU forward")
     parser.add_argument("--no-sglang", action="store_true", help="skip SGLang's C++ corpus")
     args = parser.parse_args(argv)
-    rows = run([int(b) for b in args.batch_sizes.split(",")], [d for d in args.drafters.split(",") if d],
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    rows = run(batch_sizes, [d for d in args.drafters.split(",") if d],
                args.steps, args.prompt_len, args.draft_tokens, args.depth, args.seed, not args.no_sglang,
                args.forward_ms)
     print(table(rows))
+    trees = time_tree_rows(batch_sizes, args.draft_tokens, args.seed)
+    print("\ntree rows alone (write_sglang_trees, best of 20), us/req: "
+          + ", ".join(f"batch {b}: {us:.1f}" for b, us in trees.items()))
 
 
 if __name__ == "__main__":
