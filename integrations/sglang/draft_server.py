@@ -137,7 +137,7 @@ class DraftServer:
         self.draft_token_num = int(draft_token_num)
         self.max_trie_depth = int(max_trie_depth)
         self.external_corpus_max_tokens = int(external_corpus_max_tokens)
-        self.token_bound = SGLANG_PAD_START  # no id >= this is drafted (set_vocab_size lowers it)
+        self.token_bound = SGLANG_PAD_START  # no id >= this is drafted (set_vocab_size: the vocabulary size)
         self.vocab_size: int | None = None
         self.num_restarts = 0  # requests restarted because their tail did not line up
         self.num_steps = self.num_rows = self.num_drafted = 0  # batch_get calls, requests, drafted nodes
@@ -158,8 +158,8 @@ class DraftServer:
 
     def set_vocab_size(self, vocab_size: int) -> None:
         """Never draft ids at or above ``vocab_size`` (the hook reads it from the model)."""
-        if not 1 <= int(vocab_size) <= SGLANG_PAD_START:
-            raise ValueError(f"vocab_size must be in [1, {SGLANG_PAD_START}], got {vocab_size!r}")
+        if not 1 <= int(vocab_size) < 2**31:
+            raise ValueError(f"vocab_size must be in [1, 2**31), got {vocab_size!r}")
         self.vocab_size = self.token_bound = int(vocab_size)
 
     @property
