@@ -140,6 +140,12 @@ class KVLayout:
         self.positions = grown
         _move_and_crop(cache, row_index, src, dst, new_length)
 
+    def clear(self, cache) -> None:
+        """Forget every row's cached text (a re-prefill follows)."""
+        self.positions = self.positions[:, :0]
+        self.ends[:] = 0
+        _move_and_crop(cache, [], [], [], 0)
+
     def drop_rows(self, cache, keep: list[int]) -> None:
         """Keep only the rows ``keep`` (finished rows stop costing compute)."""
         self.positions = self.positions[keep]

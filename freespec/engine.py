@@ -355,8 +355,7 @@ class SpeculativeDecoder:
             ids, **{self.traits.cache_kwarg: cache}, use_cache=True,
             cache_position=torch.arange(layout.length, len(row.sequence), device=self.device))
         if inputs.get(self.traits.cache_kwarg) is None:
-            layout.drop_rows(cache, [])
-            layout.__init__(1)
+            layout.clear(cache)
             row.pending = list(row.sequence)
             row.pending_positions = np.arange(len(row.sequence), dtype=np.int64)
 
