@@ -150,28 +150,21 @@ class DocumentIndex:
     def continuations(self, tail, max_depth: int, max_occurrences: int) -> tuple[int, list[np.ndarray]]:
         """(match_len, what followed up to max_occurrences occurrences, at most max_depth tokens each).
 
-        Over ``max_occurrences`` occurrences, take evenly spaced ones: they are
-        grouped by what follows, so this is a stratified sample of continuations.
+        Occurrences at a document's end (nothing follows) are left out first; over
+        ``max_occurrences`` of the rest, take evenly spaced ones: they are grouped by
+        what follows, so this is a stratified sample of continuations.
         """
         match_len, starts = self.find(tail)
-        if starts.shape[0] > max_occurrences:
-            starts = starts[(np.arange(max_occurrences) * starts.shape[0]) // max_occurrences]
         index = self._built()
-        begins = starts + match_len  # [m]
         doc_ends = index.doc_ends[np.searchsorted(index.doc_ends, starts, side="right")]  # [m]
+        followed = starts + match_len < doc_ends
+        starts, doc_ends = starts[followed], doc_ends[followed]
+        if starts.shape[0] > max_occurrences:
+            pick = (np.arange(max_occurrences) * starts.shape[0]) // max_occurrences
+            starts, doc_ends = starts[pick], doc_ends[pick]
+        begins = starts + match_len  # [m]
         ends = np.minimum(doc_ends, begins + max_depth)
-        return match_len, [index.tokens[b:e] for b, e in zip(begins.tolist(), ends.tolist()) if e > b]
-
-    def build(self) -> "DocumentIndex":
-        """Build the lookup structure now instead of at the first lookup after a change; returns self.
-
-        An index is not locked: change it from one thread at a time and never
-        while another thread looks it up. To add documents without stalling the
-        thread that drafts, fill and ``build()`` a new index on another thread,
-        then hand it over (``integrations/sglang/external.py`` does this).
-        """
-        self._built()
-        return self
+        return match_len, [index.tokens[b:e] for b, e in zip(begins.tolist(), ends.tolist())]
 
     def _built(self) -> _Index:
         if self._index is None:
