@@ -72,6 +72,7 @@ class MixtureDrafter(Drafter):
     """
 
     name = "mixture"
+    isolation_options = {"history_tokens": 0, "history": None, "ngram_shared": False}  # no text crosses requests
     accepts_documents = True
 
     def __init__(self, adaptive: bool = True, min_match: int = 2, max_depth: int = 64, min_prob: float = 0.1,
