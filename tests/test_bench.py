@@ -471,6 +471,32 @@ def test_left_pad_and_row_output():
     assert row_output([5, 3, 2, 3], [2, 3]) == [5, 3]
 
 
+def test_tokens_after_eos_are_counted_and_reported(tiny_model):
+    import torch
+
+    from freespec.bench.runner import ForwardCounter, MethodRunner, engine_disagreement, run_method
+
+    class Fixed(MethodRunner):
+        """Returns the prompt followed by ``new_rows``."""
+
+        def generate(self, model, input_ids, gen_kwargs):
+            return torch.cat([input_ids, torch.tensor(self.new_rows)], dim=1), None
+
+    prompt = torch.tensor([[3, 4], [3, 4], [3, 4]])
+    # EOS is 1, pad 0: row 0 padded after its EOS, row 1 pads with EOS (no pad token), row 2 goes on after it
+    runner = Fixed(parse_method("vanilla"))
+    runner.new_rows = [[5, 1, 0, 0], [6, 1, 1, 1], [7, 1, 9, 0]]
+    counter = ForwardCounter(tiny_model)
+    try:
+        outputs, record, _ = run_method(runner, tiny_model, counter, prompt, {"pad_token_id": 0}, eos_ids=(1,))
+    finally:
+        counter.close()
+    assert outputs == [[5, 1], [6, 1], [7, 1]] and record["row_new_tokens"] == [2, 2, 2]
+    assert record["rows_past_eos"] == 1
+    assert engine_disagreement("m", 3, None, record) == "!!! m prompt 3: 1 row(s) hold tokens after their EOS"
+    assert engine_disagreement("m", 3, None, dict(record, rows_past_eos=0)) is None
+
+
 def test_identity_summary_counts_rows_and_first_differences():
     from freespec.bench.report import identity_rows, identity_summary
 
@@ -485,6 +511,13 @@ def test_identity_summary_counts_rows_and_first_differences():
     assert identity["hf-pld"]["identical"] == 3 and "vanilla" not in identity
     assert identity_rows(results)[1][0] == ["hf-pld", "3/4", "75%", "40", "40"]
     assert identity_summary(dict(results, greedy=False)) == {}
+
+
+def _short_run(tmp_path, out: str, *extra: str) -> list[str]:
+    """Arguments of a quick bench of vanilla and prompt lookup on the tiny dataset, writing to ``out``."""
+    return ["bench", "--model", "tiny", "--dataset", str(_dataset(tmp_path)), "--methods",
+            "vanilla,freespec:prompt_lookup{min_match=1}", "--max-new-tokens", "6", "--no-warmup", "--no-progress",
+            "--no-plots", "--no-cost-probe", *extra, "--out", str(tmp_path / out)]
 
 
 def _corrupt_freespec_row(monkeypatch, row: int):
@@ -527,6 +560,7 @@ def test_bench_batches_every_method_and_compares_row_by_row(tmp_path, tiny_model
     assert first[label]["row_forwards"] == first[label]["engine"]["row_forwards"]  # the hook's rows = the engine's
     assert results["identity"][label] == {"compared": 3, "identical": 3, "share": 1.0, "first_difference": None}
     assert not [n for n in results["notes"] if n.startswith("!!!")]  # the engine's counts agree with the hook's
+    assert all(m["rows_past_eos"] == 0 for p in results["prompts"] for m in p["methods"].values())
     md = (out / "results.md").read_text()
     assert "batch size 2" in md and "Greedy outputs identical to vanilla (rows" in md and "no batch mode" in md
     assert "to each of 2 rows" in md
@@ -538,10 +572,7 @@ def test_bench_batch_mismatch_names_the_row(tmp_path, tiny_model, monkeypatch, c
     from freespec.cli import main
 
     _corrupt_freespec_row(monkeypatch, row=1)
-    args = ["bench", "--model", "tiny", "--dataset", str(_dataset(tmp_path)), "--methods",
-            "vanilla,freespec:prompt_lookup{min_match=1}", "--batch-size", "2", "--max-new-tokens", "6",
-            "--no-warmup", "--no-progress", "--no-plots", "--no-cost-probe", "--out", str(tmp_path / "mm")]
-    assert main(args) == 1
+    assert main(_short_run(tmp_path, "mm", "--batch-size", "2")) == 1
     results = json.loads((tmp_path / "mm" / "results.json").read_text())
     assert [(m["row"], m["item_id"], m["first_difference"]) for m in results["mismatches"]] == [(1, "2", 1)]
     assert results["prompts"][0]["methods"]["freespec:prompt_lookup{min_match=1}"]["rows_matching"] == 1
@@ -552,9 +583,7 @@ def test_reduced_precision_reports_identity_and_exits_zero(tmp_path, tiny_model,
     from freespec.cli import main
 
     _corrupt_freespec_row(monkeypatch, row=0)
-    args = ["bench", "--model", "tiny", "--dataset", str(_dataset(tmp_path)), "--methods",
-            "vanilla,freespec:prompt_lookup{min_match=1}", "--dtype", "bfloat16", "--max-new-tokens", "6",
-            "--no-warmup", "--no-progress", "--no-plots", "--no-cost-probe", "--out", str(tmp_path / "bf16")]
+    args = _short_run(tmp_path, "bf16", "--dtype", "bfloat16")
     assert main(args) == 0
     text = capsys.readouterr().out
     results = json.loads((tmp_path / "bf16" / "results.json").read_text())
@@ -565,7 +594,7 @@ def test_reduced_precision_reports_identity_and_exits_zero(tmp_path, tiny_model,
     md = (tmp_path / "bf16" / "results.md").read_text()
     assert "| freespec:prompt_lookup{min_match=1} | 0/3 | 0% | 1 | 1 |" in md
     assert main(args + ["--require-identical"]) == 1
-    assert main(args[:-2] + ["--dtype", "float32", "--out", str(tmp_path / "f32")]) == 1  # the last --dtype wins
+    assert main(_short_run(tmp_path, "f32", "--dtype", "float32")) == 1
     assert main(args + ["--require-identical", "--allow-mismatch"]) == 2
 
 

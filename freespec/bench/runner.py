@@ -173,7 +173,9 @@ def run_method(runner: MethodRunner, model, counter: ForwardCounter, input_ids, 
     The record holds new tokens (all rows), the hook's forward count, row-forwards
     and tau (per row), wall and CPU seconds, tokens/s (the whole batch), tokens per
     row fed after the prefill, each row's new tokens and freespec's own stats. A
-    row's output ends at its first token of ``eos_ids`` (pads after it dropped).
+    row's output ends at its first token of ``eos_ids``; ``rows_past_eos`` counts
+    rows with anything but the pad token (or an EOS, which generate() pads with when
+    there is no pad token) after it: a bug of the method.
     """
     import torch
 
@@ -182,7 +184,10 @@ def run_method(runner: MethodRunner, model, counter: ForwardCounter, input_ids, 
         t0, c0 = time.perf_counter(), time.process_time()
         out, stats = runner.generate(model, input_ids, gen_kwargs)
         wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    outputs = [row_output(row, eos_ids) for row in out[:, input_ids.shape[1]:].tolist()]
+    rows = out[:, input_ids.shape[1]:].tolist()
+    outputs = [row_output(row, eos_ids) for row in rows]
+    filler = {gen_kwargs.get("pad_token_id"), *eos_ids}
+    past_eos = sum(1 for row, ids in zip(rows, outputs) if any(token not in filler for token in row[len(ids):]))
     row_tokens = [len(ids) for ids in outputs]
     new_tokens = sum(row_tokens)
     # plain batched decoding feeds a finished row pads until the batch ends: count its generating forwards only
@@ -193,7 +198,7 @@ def run_method(runner: MethodRunner, model, counter: ForwardCounter, input_ids, 
         "wall_s": wall_s, "cpu_s": cpu_s,
         "tokens_per_s": new_tokens / wall_s if wall_s > 0 else 0.0,
         "tokens_fed_after_prefill": counter.tokens_fed,
-        "row_new_tokens": row_tokens,
+        "row_new_tokens": row_tokens, "rows_past_eos": past_eos,
         "engine": _stats_record(stats),
     }
     return outputs, record, stats
@@ -208,17 +213,20 @@ def row_output(ids: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
 
 
 def engine_disagreement(label: str, prompt_index: int, stats, record: dict) -> str | None:
-    """A loud line when freespec fell back to plain decoding or its counts differ from the hook's."""
-    if stats is None:
-        return None
-    if stats.fallback_reason:
-        return f"!!! {label} fell back to plain decoding on prompt {prompt_index}: {stats.fallback_reason}"
-    if (stats.forward_passes, stats.row_forwards, stats.new_tokens) != (
+    """A loud line when a row holds tokens after its EOS, freespec fell back to plain decoding, or its counts
+    differ from the hook's (every one of these that holds, joined by "; ")."""
+    problems = []
+    if record.get("rows_past_eos"):
+        problems.append(f"!!! {label} prompt {prompt_index}: {record['rows_past_eos']} row(s) hold tokens after "
+                        f"their EOS")
+    if stats is not None and stats.fallback_reason:
+        problems.append(f"!!! {label} fell back to plain decoding on prompt {prompt_index}: {stats.fallback_reason}")
+    elif stats is not None and (stats.forward_passes, stats.row_forwards, stats.new_tokens) != (
             record["forwards"], record["row_forwards"], record["new_tokens"]):
-        return (f"!!! {label} prompt {prompt_index}: engine counted {stats.forward_passes} forwards / "
-                f"{stats.row_forwards} row-forwards / {stats.new_tokens} tokens, the hook {record['forwards']} / "
-                f"{record['row_forwards']} / {record['new_tokens']}")
-    return None
+        problems.append(f"!!! {label} prompt {prompt_index}: engine counted {stats.forward_passes} forwards / "
+                        f"{stats.row_forwards} row-forwards / {stats.new_tokens} tokens, the hook "
+                        f"{record['forwards']} / {record['row_forwards']} / {record['new_tokens']}")
+    return "; ".join(problems) or None
 
 
 def compare_outputs(outputs: dict[str, list[int]], reference: str) -> list[dict]:
