@@ -112,6 +112,25 @@ def _run_requests(drafter, requests: list[tuple], config, drafts: dict, interlea
         live = [r for r in live if not r.done]
 
 
+def _in_threads(jobs: list[tuple], config, drafts: dict | None = None, interleave: int = 2) -> list:
+    """Run each job (drafter, requests) on its own thread; the exceptions they raised (and a TimeoutError per
+    thread still running after 120 s)."""
+    errors = []
+
+    def work(drafter, requests):
+        try:
+            _run_requests(drafter, requests, config, {} if drafts is None else drafts, interleave)
+        except BaseException as exc:  # noqa: BLE001 (returned, with its thread's traceback)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=job) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return errors + [TimeoutError(f"{t.name} still running after 120 s") for t in threads if t.is_alive()]
+
+
 @pytest.mark.parametrize("name", [n for n in available() if not drafter_class(n).needs_model])
 def test_threads_hammering_one_drafter_get_the_single_threaded_drafts(name, fast_switching):
     options = {**drafter_class(name).isolation_options, **DETERMINISTIC.get(name, {})}
@@ -120,19 +139,8 @@ def test_threads_hammering_one_drafter_get_the_single_threaded_drafts(name, fast
     num_threads = 8
     alone: dict = {}
     _run_requests(make(name, **options), requests, config, alone)
-    shared, together, errors = make(name, **options), {}, []
-
-    def work(part):
-        try:
-            _run_requests(shared, part, config, together)
-        except BaseException as exc:  # noqa: BLE001 (reported below, with its thread)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(requests[t::num_threads],)) for t in range(num_threads)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
+    shared, together = make(name, **options), {}
+    errors = _in_threads([(shared, requests[t::num_threads]) for t in range(num_threads)], config, together)
     assert not errors, errors
     assert not shared._contexts
     assert together == alone
@@ -148,19 +156,8 @@ def test_threads_on_state_shared_across_requests_raise_nothing(name, fast_switch
 
     drafter = make(name, **SOAK_OPTIONS.get(name, {}))
     requests = [((name, j), prompt, output) for j, (prompt, output) in enumerate(code_streams(256, 32, 16))]
-    errors = []
-
-    def work(part):
-        try:
-            _run_requests(drafter, part, SpecConfig(max_draft_tokens=64, max_draft_depth=16), {}, interleave=1)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(requests[t::8],)) for t in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
+    errors = _in_threads([(drafter, requests[t::8]) for t in range(8)], SpecConfig(max_draft_tokens=64,
+                                                                                   max_draft_depth=16), interleave=1)
     assert not errors, errors
     assert not drafter._contexts
 
@@ -171,8 +168,7 @@ def test_shared_history_and_documents_under_threads(fast_switching):
     drafters = [SuffixDrafter(history=history), SuffixDrafter(history=history, min_match=1),
                 CorpusDrafter(documents=index), MixtureDrafter(history=history, documents=index)]
     streams = list(code_streams(64, 48, 16))
-    errors, stop_loading = [], threading.Event()
-    config = SpecConfig(max_draft_tokens=32, max_draft_depth=8)
+    stop_loading = threading.Event()
 
     def load():
         k = 0
@@ -181,20 +177,10 @@ def test_shared_history_and_documents_under_threads(fast_switching):
             index.add(np.concatenate([prompt, output]), doc_key=k % 40)  # replaces, evicts
             k += 1
 
-    def work(drafter, part):
-        try:
-            _run_requests(drafter, part, config, {}, interleave=3)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
     loader = threading.Thread(target=load)
     loader.start()
-    workers = [threading.Thread(target=work, args=(drafter, [((t, j), p, o) for j, (p, o) in enumerate(streams)]))
-               for t, drafter in enumerate(drafters)]
-    for thread in workers:
-        thread.start()
-    for thread in workers:
-        thread.join(120)
+    jobs = [(drafter, [((t, j), p, o) for j, (p, o) in enumerate(streams)]) for t, drafter in enumerate(drafters)]
+    errors = _in_threads(jobs, SpecConfig(max_draft_tokens=32, max_draft_depth=8), interleave=3)
     stop_loading.set()
     loader.join(10)
     assert not errors, errors
