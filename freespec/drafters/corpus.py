@@ -166,6 +166,17 @@ class DocumentIndex:
         ends = np.minimum(doc_ends, begins + max_depth)
         return match_len, [index.tokens[b:e] for b, e in zip(begins.tolist(), ends.tolist())]
 
+    def build(self) -> "DocumentIndex":
+        """Build the lookup structure now instead of at the first lookup after a change; returns self.
+
+        An index is not locked: change it from one thread at a time and never
+        while another thread looks it up. To add documents without stalling the
+        thread that drafts, fill and ``build()`` a new index on another thread,
+        then hand it over (``integrations/sglang/external.py`` does this).
+        """
+        self._built()
+        return self
+
     def _built(self) -> _Index:
         if self._index is None:
             self._index = self._build()
