@@ -2,7 +2,8 @@
 # Run part of the suite in a second environment: a virtualenv under .ci/venvs ($FREESPEC_VENVS),
 # built on first use (scripts/make_venv.sh) and reused while nothing it is built from changed.
 #   bash scripts/test_env.sh lowest [pytest args]   # the lowest versions freespec declares (transformers 4.57.1,
-#                                                   # scripts/constraints-lowest.txt): exactness, patch, tree tests (not slow)
+#                                                   # scripts/constraints-lowest.txt): the tests of the Hugging Face path
+#                                                   # (exactness, patch, tree, batch, lossless, contract, sampling; not slow)
 #   bash scripts/test_env.sh sglang [pytest args]   # sglang 0.5.21 and its transformers 5.12.1: SGLang and packaging tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +13,8 @@ venv=${FREESPEC_VENVS:-.ci/venvs}/$name
 case $name in
   lowest)
     bash scripts/make_venv.sh "$venv" -c scripts/constraints-lowest.txt -e ".[test]"
-    tests=(tests/test_exactness.py tests/test_patch.py tests/test_tree.py -m "not slow") ;;
+    tests=(tests/test_exactness.py tests/test_patch.py tests/test_tree.py tests/test_batch.py tests/test_lossless.py
+           tests/test_contract.py tests/test_sampling.py -m "not slow") ;;
   sglang)
     bash scripts/install_sglang.sh "$venv"
     tests=(tests/test_sglang_adapter.py tests/test_sglang_plugin.py tests/test_packaging.py) ;;
