@@ -10,6 +10,8 @@ takes whichever side it has:
 | cache argument of ``model.forward`` | ``past_key_values`` | ``cache`` (5.2x); ``engine.ModelTraits`` reads it |
 | GGUF loading | always dequantizes | takes ``quantization_config=GgufConfig(dequantize=True)`` (5.2x) |
 | a saved model directory | ``rope_theta``, tokenizer classes by model | ``rope_parameters``, ``TokenizersBackend`` (5.0) |
+| ``logits_to_keep`` of ``model.forward`` | missing on Bloom, MPT, ... | everywhere; ``ModelTraits`` reads it |
+| a recurrent model (Mamba) | no ``layer_types``: refused for its forward taking no KV cache | ``layer_types`` name its layers |
 
 The last row is why a converted model copy is kept per major version (``saved_format_suffix``):
 transformers 4.57 reads a 5.x ``config.json`` without error but falls back to its default RoPE
