@@ -80,6 +80,7 @@ class ModelTraits:
     rope_dynamic_limit: int | None = None  # dynamic RoPE: drafts only while the forward stays below
     rope_long_limit: int | None = None  # LongRoPE: a forward must not cross it with draft nodes
     asks_model_for_cache: bool = False  # the model's prepare_inputs_for_generation may drop the cache
+    takes_logits_to_keep: bool = True  # forward(logits_to_keep=) exists (not on Bloom, MPT, ... in transformers 4.57)
 
     @property
     def no_windows(self) -> bool:
@@ -109,13 +110,16 @@ class ModelTraits:
                 f"attention implementation {impl!r} (supported: 'sdpa', 'eager'; load with attn_implementation='sdpa')"
             )
         params = inspect.signature(model.forward).parameters
+        if "cache" not in params and "past_key_values" not in params:  # e.g. Mamba's cache_params (4.57)
+            raise UnsupportedForSpeculation(f"{type(model).__name__}.forward takes no KV cache (cache= or "
+                                            f"past_key_values=): only attention models are supported")
         cache_kwarg = "cache" if "cache" in params else "past_key_values"
         windows, per_type = _layer_windows(config)
         dynamic_limit, long_limit = _rope_limits(model)
         return cls(cache_kwarg, impl == "eager", model.dtype, windows, per_type,
                    vocab_size=int(model.get_input_embeddings().num_embeddings), chains_only=uses_alibi(config),
                    rope_dynamic_limit=dynamic_limit, rope_long_limit=long_limit,
-                   asks_model_for_cache=long_limit is not None)
+                   asks_model_for_cache=long_limit is not None, takes_logits_to_keep="logits_to_keep" in params)
 
 
 def _layer_windows(config) -> tuple[dict[str, int | None], bool]:
@@ -190,16 +194,17 @@ def forward_rows(model, traits: ModelTraits, cache, layout: KVLayout, rows: list
     single = len(rows) == 1 and not layout.ragged
     if single and (traits.chains_only or (rows[0].num_fed == 1 and traits.no_windows)):
         mask = None  # the causal mask: a plain decode step, or a chain on an ALiBi model
+    keep = width - num_pending + 1
     out = model(
         input_ids=input_ids,
         attention_mask=mask,
         position_ids=position_ids,
         cache_position=torch.arange(layout.length, layout.length + width, device=device),
         use_cache=True,
-        logits_to_keep=width - num_pending + 1,
+        **({"logits_to_keep": keep} if traits.takes_logits_to_keep else {}),
         **{traits.cache_kwarg: cache},
     )
-    return out.logits.to(dtype=torch.float32)
+    return out.logits[:, -keep:].to(dtype=torch.float32)
 
 
 def tree_forward(model, traits: ModelTraits, cache, cache_len: int, pending: list[int], draft: Draft) -> torch.Tensor:

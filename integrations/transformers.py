@@ -40,13 +40,14 @@ import logging
 import numpy as np
 import torch
 
+from ..compat import generate_output, transformers_version
 from ..config import SpecConfig
 from ..engine import ModelTraits, SpeculativeDecoder, UnsupportedForSpeculation
 from ..stats import SpecStats
 
 logger = logging.getLogger("freespec")
 
-SUPPORTED_TRANSFORMERS = ((5, 24), (6, 0))  # [min, max)
+SUPPORTED_TRANSFORMERS = ((4, 57), (6, 0))  # [min, max)
 
 # model kwargs that generate() prepares for plain decoding and the engine honours
 # model kwargs that generate() prepares for plain decoding and the engine honours
@@ -103,9 +104,8 @@ def model_handle(model):
 def _check_transformers_version() -> None:
     import transformers
 
-    parts = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
     low, high = SUPPORTED_TRANSFORMERS
-    if not (low <= parts < high):
+    if not (low <= transformers_version() < high):
         raise RuntimeError(
             f"freespec supports transformers >= {'.'.join(map(str, low))}, < {'.'.join(map(str, high))}; "
             f"found {transformers.__version__}"
@@ -364,14 +364,8 @@ def _generate(patched: PatchedGenerate, *args, **kwargs):
             documents=documents, tokenizer=tokenizer, attention_mask=model_kwargs.get("attention_mask"))
         if not generation_config.return_dict_in_generate:
             return sequences
-        from transformers.generation.utils import GenerateDecoderOnlyOutput
-
-        return GenerateDecoderOnlyOutput(
-            sequences=sequences,
-            scores=tuple(scores) if generation_config.output_scores else None,
-            logits=tuple(logits) if generation_config.output_logits else None,
-            cache=cache,
-        )
+        return generate_output(sequences, tuple(scores) if generation_config.output_scores else None,
+                               tuple(logits) if generation_config.output_logits else None, cache)
 
     try:
         result = patched.__wrapped__(*args, custom_generate=speculative_generate, **kwargs)
