@@ -265,9 +265,11 @@ class SpeculativeDecoder:
         self.device = model.device
 
     def generate(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None,
-                 documents=None, tokenizer=None, attention_mask=None):
+                 documents=None, tokenizer=None, attention_mask=None, predictions=None):
         """Decode every row. ``attention_mask`` [B, L]: left padding (zeros first), or None for none.
-        ``documents``: token-id arrays or texts (with ``tokenizer``) every row's drafter may draft from."""
+        ``documents``: token-id arrays or texts (with ``tokenizer``) every row's drafter may draft from.
+        ``predictions``: per row, token ids of the output the caller expects (a hint, e.g. the file being
+        edited), or None; None for none."""
         self.logits_processor, self.stopping_criteria, self.streamer = logits_processor, stopping_criteria, streamer
         self.do_sample = bool(generation_config.do_sample)
         self.want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
@@ -279,8 +281,9 @@ class SpeculativeDecoder:
         started: list[Row] = []
         cache, layout = make_cache(), KVLayout(len(rows))
         try:
-            for row in rows:
-                self._timed_draft(self._start, row, documents, tokenizer)
+            for r, row in enumerate(rows):
+                prediction = None if predictions is None else predictions[r]
+                self._timed_draft(self._start, row, documents, tokenizer, prediction)
                 started.append(row)
             active = [row for row in rows if not row.done]
             while active:
@@ -339,10 +342,12 @@ class SpeculativeDecoder:
         finally:
             self.stats.draft_s += time.perf_counter() - t0
 
-    def _start(self, row: Row, documents, tokenizer) -> None:
+    def _start(self, row: Row, documents, tokenizer, prediction) -> None:
         self.drafter.start(row.request_id, np.asarray(row.sequence[row.num_pads:], np.int64))
         if documents is not None:
             self.drafter.add_documents(row.request_id, documents, tokenizer)
+        if prediction is not None:
+            self.drafter.add_prediction(row.request_id, prediction)
 
     def _follow_model_cache_policy(self, active: list[Row], cache, layout: KVLayout) -> None:
         """Re-prefill where the model's own ``prepare_inputs_for_generation`` would drop the cache.

@@ -5,7 +5,9 @@ and never sees the model (unless it declares ``needs_model``, below). The
 engine drives it through one request's life::
 
     drafter.start(request_id, prompt_ids)            # index the prompt
-    drafter.add_documents(request_id, docs, tok)     # only with generate(documents=...)
+    drafter.add_documents(request_id, docs, tok)     # only with documents (generate(documents=...),
+                                                     # freespec.documents(...))
+    drafter.add_prediction(request_id, ids)          # only with generate(prediction=...)
     while not done:
         draft = drafter.propose(request_id, budget)   # a Draft within budget
         ...one verify forward...
@@ -118,6 +120,11 @@ def as_token_array(ids, name: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
+def encode_text(text: str, tokenizer) -> np.ndarray:
+    """Token ids of ``text``, as it would appear inside an output: ``tokenizer.encode(text, add_special_tokens=False)``."""
+    return np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int64)
+
+
 def exercise(drafter: "Drafter") -> None:
     """Run two tiny requests through ``drafter`` (compiles its kernels; see ``warmup``)."""
     drafter.start("warmup", [1, 2, 3, 1, 2])
@@ -160,12 +167,14 @@ class Drafter:
     ``observe_top_k``: > 0 asks the engine for the target's top-k tokens at every
         fed node, through ``observe``.
     ``accepts_documents``: True when ``add_documents`` works (``generate(documents=...)``).
+    ``accepts_prediction``: True when ``add_prediction`` works (``generate(prediction=...)``).
     ``needs_model``: True when the drafter drafts with the model (``attach_model``).
     """
 
     name = "drafter"
     observe_top_k = 0
     accepts_documents = False
+    accepts_prediction = False
     needs_model = False
 
     def __init__(self):
@@ -203,6 +212,15 @@ class Drafter:
         """
         raise ValueError(f"drafter {self.name!r} does not draft from documents; use one that does "
                          f"(mixture, corpus) to pass documents=")
+
+    def add_prediction(self, request_id: Hashable, prediction_ids: np.ndarray) -> None:
+        """A predicted output of this request (1-D token ids): most of it is expected to appear in the output.
+
+        Default: ``ValueError``, since this drafter does not draft from a prediction
+        (``accepts_prediction`` is False). Drafters that do override it.
+        """
+        raise ValueError(f"drafter {self.name!r} does not draft from a predicted output; use one that does "
+                         f"(mixture, prediction) to pass prediction=")
 
     def observe(self, request_id: Hashable, verify_output: VerifyOutput) -> None:
         """Learn from the target's predictions (called when ``observe_top_k`` > 0). Default: nothing."""
