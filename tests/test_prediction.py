@@ -42,24 +42,29 @@ def test_in_sync_drafts_the_rest_of_the_prediction():
     assert _chains(_source_after(P)) == []  # all of it produced
 
 
-def test_deletion_realigns_and_keeps_the_anchor_as_a_branch():
+def test_deletion_realigns_and_guesses_at_the_anchor():
     source = _source_after([1, 2, 3, 6])
-    assert _chains(source) == [(1, [7, 8]), (1, [4, 5, 6, 7, 8]), (1, [5, 6, 7, 8])]
-    source.extend("r", np.asarray([7, 8]))  # trust comes after trust_after=4 agreeing tokens: not yet
-    assert _chains(source) == [(1, [4, 5, 6, 7, 8]), (1, [5, 6, 7, 8])]  # (cursor at the end)
+    assert _chains(source) == [(1, [7, 8]), (1, [4, 5])]  # the chain; one-token guesses at the anchor 3
+    source.extend("r", np.asarray([7]))  # aligned again: no more guesses
+    assert _chains(source) == [(2, [8])]
 
 
-def test_insertion_waits_at_the_anchor_then_resumes():
-    source = _source_after([1, 2, 3, 9, 9])
-    assert _chains(source) == [(1, [4, 5, 6, 7, 8]), (1, [5, 6, 7, 8])]
+def test_insertion_guesses_then_stops_guessing_then_resumes():
+    source = _source_after([1, 2, 3, 9])
+    assert _chains(source) == [(1, [4, 5])]  # lost: only the guesses (the model comes back / 9 replaced 4)
+    source.extend("r", np.asarray([9, 9, 9]))
+    assert _chains(source) == [(1, [4, 5])]  # 4 tokens since the departure: still guessing
+    source.extend("r", np.asarray([9]))
+    assert _chains(source) == []  # a long insertion: wait for the output to come back by itself
     source.extend("r", np.asarray([4, 5]))
     assert _chains(source) == [(2, [6, 7, 8])]  # resumed at the anchor: trusted at once
 
 
-def test_changed_token_is_drafted_past():
-    source = _source_after([1, 2, 3, 9])  # 9 replaced 4: the branch one past the anchor is right
-    assert [5, 6, 7, 8] in [chain for _, chain in _chains(source)]
-    source.extend("r", np.asarray([5, 6, 7]))
+def test_changed_token_is_guessed_past():
+    source = _source_after([1, 2, 3, 9])  # 9 replaced 4: the guess one past the anchor is right
+    source.extend("r", np.asarray([5]))
+    assert _chains(source)[0] == (1, [6, 7, 8])
+    source.extend("r", np.asarray([6, 7]))
     assert _chains(source)[0] == (3, [8])
 
 
@@ -68,6 +73,18 @@ def test_trust_after_moves_the_anchor():
     source.add("r", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
     source.extend("r", np.asarray([1, 2, 6, 7]))  # deletion of 3..5, re-aligned at 6, two agree: trusted
     assert _chains(source) == [(2, [8, 9, 10])]
+
+
+def test_guesses_are_distinct_siblings():
+    source = PredictionSource()
+    source.add("r", [1, 2, 2, 3])
+    source.extend("r", np.asarray([1, 9]))  # lost at the anchor 1, where the prediction repeats 2
+    (_, _, draft), = source.drafts("r", BIG)
+    assert draft.token_ids.tolist() == [2] and draft.parents.tolist() == [-1]
+    never = PredictionSource(guess_window=0)
+    never.add("r", [1, 2, 2, 3])
+    never.extend("r", np.asarray([1, 9]))
+    assert never.drafts("r", BIG) == []
 
 
 def test_budget_caps_the_chains():
@@ -89,7 +106,7 @@ def test_prediction_drafter_lifecycle_and_errors():
     assert drafter.propose("r", BIG).token_ids.tolist() == [1, 2, 3]
     drafter.extend("r", [1, 9])
     draft = drafter.propose("r", BIG)
-    assert draft.paths() == [[2, 3], [3]]  # resume at the anchor 1, or 9 replaced 2
+    assert draft.paths() == [[2], [3]]  # resume at the anchor 1, or 9 replaced 2
     drafter.stop("r")
     assert drafter.prediction._requests == {}
     with pytest.raises(ValueError, match="max_match"):
