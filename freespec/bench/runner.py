@@ -208,6 +208,8 @@ def run_bench(model, tokenizer, items: Sequence[Item], methods: Sequence[MethodS
     """Run every method on every prompt of ``items``; see the module docstring."""
     run = BenchRun(greedy=temperature <= 0)
     runners = _build_runners(methods, run, log)
+    if any(r.method.use_prediction for r in runners) and not any(item.predictions for item in items):
+        run.notes.append("a method asks for prediction=true but no item carries a prediction: it ran without one")
     gen_kwargs = _generation_kwargs(tokenizer, max_new_tokens, temperature, seed, run)
     loop = _Loop(model, tokenizer, runners, run, gen_kwargs, seed, save_traces, log)
     try:
@@ -298,8 +300,9 @@ class _Loop:
             label = runner.method.label
             if not run.greedy:
                 torch.manual_seed(self.seed * 1_000_003 + index)
-            outputs[label], results[label], stats = run_method(runner, self.model, self.counter, input_ids,
-                                                               call_kwargs)
+            outputs[label], results[label], stats = run_method(
+                runner, self.model, self.counter, input_ids,
+                _with_prediction(runner, call_kwargs, item.prediction_of(turn), self.tokenizer))
             disagreement = engine_disagreement(label, index, stats, results[label])
             if disagreement:
                 run.notes.append(disagreement)
@@ -339,6 +342,13 @@ class _Loop:
             self.bar.update(1)
         elif self.progress:  # no tqdm: one line per prompt
             self.log(f"[{self.prompt_index}/{self.total_prompts}] {_postfix(results, self.run.reference)}")
+
+
+def _with_prediction(runner: MethodRunner, call_kwargs: dict, prediction: str | None, tokenizer) -> dict:
+    """The call's generate() kwargs, with the item's prediction for a method with ``{prediction=true}``."""
+    if not runner.method.use_prediction or prediction is None:
+        return call_kwargs
+    return dict(call_kwargs, prediction=prediction, tokenizer=tokenizer)
 
 
 def _progress_bar(total: int, enabled: bool):
