@@ -26,10 +26,15 @@ and extra model inputs (images, ...); and, for batches of several rows only,
 a streamer to a custom_generate callable, so the wrapper keeps it and the engine
 feeds it.
 
-One argument plain ``generate()`` lacks: ``documents=[...]`` (texts, with
-``tokenizer=``, or token-id sequences) gives this call's drafter documents to
-draft from, e.g. the retrieved passages of a RAG prompt. If the call falls
-back to plain decoding, documents only cost nothing: output is the same.
+Arguments plain ``generate()`` lacks, each a hint that changes speed, never
+output: ``documents=[...]`` (texts, with ``tokenizer=``, or token-id sequences)
+gives this call's drafter documents to draft from, e.g. the retrieved passages
+of a RAG prompt, after those of the enclosing ``freespec.documents(...)``
+blocks (``freespec/context.py``: how a framework that calls ``generate()`` for
+you gets them); ``prediction=`` (a text, with ``tokenizer=``, or 1-D token ids)
+is the output the caller expects, e.g. the file a code edit rewrites. Both are
+checked on every call (a bad one raises ``ValueError`` naming it) and dropped
+when the call falls back to plain decoding.
 """
 
 from __future__ import annotations
