@@ -33,6 +33,17 @@ def tiny_gemma3():
     return tiny_random("gemma3", vocab_size=128, seed=0)
 
 
+@pytest.fixture
+def fresh_llama():
+    """A tiny random Llama (seed 2) of this test's own, unpatched again after it."""
+    import freespec.integrations.transformers as hf
+
+    model = models.tiny_random_llama(seed=2)
+    yield model
+    if hf.is_patched(model):
+        hf.unpatch(model)
+
+
 def plain_generate(model, *args, **kwargs):
     """Unpatched generate(), whatever the model's patch state."""
     import freespec.integrations.transformers as hf

@@ -44,11 +44,8 @@ def continuation():
 
 
 @pytest.fixture
-def model():
-    m = tiny_random_llama(seed=2)
-    yield m
-    if freespec.integrations.transformers.is_patched(m):
-        freespec.unpatch(m)
+def model(fresh_llama):
+    return fresh_llama
 
 
 def test_documents_reach_every_generate_inside_and_none_after(model, continuation):

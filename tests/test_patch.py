@@ -7,7 +7,6 @@ import torch
 
 import freespec
 from freespec import SpecConfig
-from freespec.testing.models import tiny_random_llama
 
 from conftest import plain_generate
 
@@ -15,11 +14,8 @@ PROMPT = torch.tensor([[0, 5, 9, 13, 5, 9, 13, 5, 9, 21, 30, 5, 9]])
 
 
 @pytest.fixture
-def model():
-    m = tiny_random_llama(seed=2)
-    yield m
-    if freespec.integrations.transformers.is_patched(m):
-        freespec.unpatch(m)
+def model(fresh_llama):
+    return fresh_llama
 
 
 def test_patch_unpatch_roundtrip(model):

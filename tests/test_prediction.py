@@ -197,11 +197,8 @@ def test_a_prediction_past_the_eos_stops_where_plain_decoding_stops(tiny_llama):
 
 
 @pytest.fixture
-def patched_llama():
-    model = freespec.models.tiny_random_llama(seed=2)
-    freespec.patch(model)
-    yield model
-    freespec.unpatch(model)
+def patched_llama(fresh_llama):
+    return freespec.patch(fresh_llama)
 
 
 @pytest.mark.parametrize("prediction, message", [
@@ -218,11 +215,10 @@ def test_bad_predictions_raise_naming_the_argument(patched_llama, prediction, me
         patched_llama.generate(PROMPT, max_new_tokens=4, prediction=prediction)
 
 
-def test_prediction_needs_a_drafter_that_takes_one():
-    model = freespec.models.tiny_random_llama(seed=2)
-    freespec.patch(model, drafter="suffix")
+def test_prediction_needs_a_drafter_that_takes_one(fresh_llama):
+    freespec.patch(fresh_llama, drafter="suffix")
     with pytest.raises(ValueError, match="prediction= needs a drafter .*'suffix'"):
-        model.generate(PROMPT, max_new_tokens=4, prediction=[1, 2])
+        fresh_llama.generate(PROMPT, max_new_tokens=4, prediction=[1, 2])
 
 
 def test_text_prediction_uses_the_calls_tokenizer(patched_llama):
