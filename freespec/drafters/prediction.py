@@ -125,11 +125,8 @@ class PredictionSource:
         self._requests: dict[Hashable, _Alignment] = {}
 
     def add(self, request_id: Hashable, prediction_ids) -> None:
-        """Set the request's predicted output (1-D token ids); its output so far must be empty."""
+        """Set the request's predicted output (1-D token ids), aligned from its first token: before any output."""
         self._requests[request_id] = _Alignment(as_token_array(prediction_ids, "prediction_ids"))
-
-    def has(self, request_id: Hashable) -> bool:
-        return request_id in self._requests
 
     def extend(self, request_id: Hashable, ids: np.ndarray) -> None:
         """Follow the committed tokens through the prediction."""
