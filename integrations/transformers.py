@@ -31,8 +31,9 @@ output: ``documents=[...]`` (texts, with ``tokenizer=``, or token-id sequences)
 gives this call's drafter documents to draft from, e.g. the retrieved passages
 of a RAG prompt, after those of the enclosing ``freespec.documents(...)``
 blocks (``freespec/context.py``: how a framework that calls ``generate()`` for
-you gets them); ``prediction=`` (a text, with ``tokenizer=``, or 1-D token ids)
-is the output the caller expects, e.g. the file a code edit rewrites. Both are
+you gets them); ``prediction=`` (a text, with ``tokenizer=``, or 1-D token ids;
+for a batch, one for all rows or a list of one per row) is the output the caller
+expects, e.g. the file a code edit rewrites. Both are
 checked on every call (a bad one raises ``ValueError`` naming it) and dropped
 when the call falls back to plain decoding.
 """

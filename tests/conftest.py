@@ -38,7 +38,7 @@ def fresh_llama():
     """A tiny random Llama (seed 2) of this test's own, unpatched again after it."""
     import freespec.integrations.transformers as hf
 
-    model = models.tiny_random_llama(seed=2)
+    model = tiny_random("llama", seed=2)
     yield model
     if hf.is_patched(model):
         hf.unpatch(model)

@@ -52,8 +52,9 @@ def test_prediction_method_option():
 def test_bench_passes_the_prediction_to_the_methods_that_ask(tmp_path, monkeypatch, capsys):
     from freespec import models
     from freespec.cli import main
+    from freespec.testing.models import tiny_random_llama
 
-    model = models.tiny_random_llama(vocab_size=128)
+    model = tiny_random_llama(vocab_size=128)
     monkeypatch.setattr(models, "load", lambda name, dtype=None, **kw: (model, EncodingCharTokenizer()))
     path = tmp_path / "predicted.jsonl"
     rows = [{"question_id": 1, "category": "edit", "turns": ["abcd abcd"], "prediction": "abcd abcd abcd"}]

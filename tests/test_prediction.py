@@ -202,10 +202,11 @@ def patched_llama(fresh_llama):
 
 
 @pytest.mark.parametrize("prediction, message", [
-    ("some text", "prediction= given as text needs tokenizer="),
+    ("some text", "prediction given as text needs tokenizer="),
     (b"bytes", "prediction must be a text or a 1-D sequence"),
     (17, "prediction must be a text or a 1-D sequence"),
-    ([[1, 2], [3, 4]], "1-D"),
+    ([[1, 2], [3, 4]], r"prediction has 2 entries \(one per row\) for a batch of 1 row"),
+    ([[[1, 2]]], r"prediction\[0\] must be a 1-D"),
     ([1.5, 2.0], "integer token ids"),
     ([1, -2], "outside"),
     ([1, 5000], r"prediction holds token id 5000, outside the model's vocabulary \[0, 128\)"),
@@ -237,12 +238,27 @@ def test_text_prediction_uses_the_calls_tokenizer(patched_llama):
     assert freespec.stats(patched_llama).tau > 5
 
 
+def test_a_batch_takes_one_prediction_per_row_or_one_for_all(patched_llama):
+    from test_batch import left_padded
+
+    rows = [[3, 5, 9, 13, 5, 9, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
+    ids, mask = left_padded(rows, pad=1)
+    plain = plain_generate(patched_llama, ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    outputs = [plain[r, ids.shape[1]:].tolist() for r in range(2)]
+    for prediction in (outputs, [outputs[0], None], outputs[1], torch.tensor(outputs)):
+        out = patched_llama.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                                     prediction=prediction)
+        assert out.tolist() == plain.tolist()
+        assert freespec.stats(patched_llama).fallback_reason is None
+    patched_llama.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, prediction=outputs)
+    assert freespec.stats(patched_llama).per_drafter["prediction"].accepted >= 30
+    with pytest.raises(ValueError, match=r"prediction has 3 entries \(one per row\) for a batch of 2 row"):
+        patched_llama.generate(ids, attention_mask=mask, max_new_tokens=4, prediction=[[1], [2], [3]])
+    with pytest.raises(ValueError, match=r"prediction\[1\] given as text needs tokenizer="):
+        patched_llama.generate(ids, attention_mask=mask, max_new_tokens=4, prediction=[[1], "text"])
+
+
 def test_prediction_is_dropped_when_the_call_falls_back(patched_llama):
-    batch = torch.cat([PROMPT, PROMPT.flip(1)])
-    plain = plain_generate(patched_llama, batch, max_new_tokens=6, do_sample=False)
-    out = patched_llama.generate(batch, max_new_tokens=6, do_sample=False, prediction=[1, 2, 3])
-    assert out.tolist() == plain.tolist()
-    assert "batch size" in freespec.stats(patched_llama).fallback_reason
     beams = plain_generate(patched_llama, PROMPT, max_new_tokens=6, num_beams=2, do_sample=False)
     out = patched_llama.generate(PROMPT, max_new_tokens=6, num_beams=2, do_sample=False, prediction=[1, 2, 3])
     assert out.tolist() == beams.tolist()
