@@ -258,6 +258,15 @@ def test_a_batch_takes_one_prediction_per_row_or_one_for_all(patched_llama):
         patched_llama.generate(ids, attention_mask=mask, max_new_tokens=4, prediction=[[1], "text"])
 
 
+def test_num_return_sequences_repeats_the_prediction_with_the_rows(patched_llama):
+    plain = plain_generate(patched_llama, PROMPT, max_new_tokens=12, do_sample=False)
+    torch.manual_seed(0)
+    out = patched_llama.generate(PROMPT, max_new_tokens=12, do_sample=True, num_return_sequences=3,
+                                 prediction=plain[0, PROMPT.shape[1]:])
+    assert out.shape[0] == 3 and freespec.stats(patched_llama).fallback_reason is None
+    assert freespec.stats(patched_llama).per_drafter["prediction"].proposed > 0
+
+
 def test_prediction_is_dropped_when_the_call_falls_back(patched_llama):
     beams = plain_generate(patched_llama, PROMPT, max_new_tokens=6, num_beams=2, do_sample=False)
     out = patched_llama.generate(PROMPT, max_new_tokens=6, num_beams=2, do_sample=False, prediction=[1, 2, 3])
