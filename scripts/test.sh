@@ -7,6 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -m pip install --quiet --disable-pip-version-check -c scripts/constraints.txt torch==2.13.0
-"$PY" -m pip install --quiet --disable-pip-version-check -c scripts/constraints.txt -e ".[test,bench]"
+"$PY" -m pip install --quiet --disable-pip-version-check -c scripts/constraints.txt -e ".[test,bench,rag,langchain]"
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}  # no busy-waiting OpenMP threads on a shared machine
 exec "$PY" -m pytest "$@"
