@@ -118,8 +118,26 @@ def test_cost_model_fits_synthetic_timings():
         model.add(500, 9.0)  # a prefill: ignored
     for n in (2, 8, 16, 64):
         assert model.cost(n) == pytest.approx(1 + 0.1 * (n - 1), rel=0.1)
-    assert model.cost(12) == pytest.approx(2.1, rel=0.1)  # interpolated between 8 and 16
+    # 12 is a bucket of its own, unmeasured: optimistic (below the line 8..16), never below c(8)
+    assert model.cost(12) == pytest.approx(model.cost(8))
+    for _ in range(3):
+        model.add(12, 0.05 * 2.1)
+    assert model.cost(12) == pytest.approx(2.1, rel=0.1)
     assert model.cost(80) > model.cost(64)
+
+
+def test_cost_model_finds_a_cheap_size_between_dear_ones():
+    model = CostModel()
+    one_token_s = 0.1
+    true_cost = {1: 1.0, 2: 1.07, 3: 1.13, 4: 1.9, 8: 2.7}  # float32 on a CPU: the cliff at 4 (measured)
+    for n in (1, 2, 4, 8):
+        for _ in range(5):
+            model.add(n, one_token_s * true_cost[n])
+    assert model.cost(3) == pytest.approx(1.07)  # unmeasured: optimistic, so a drafter tries it
+    for _ in range(3):
+        model.add(3, one_token_s * true_cost[3])
+    assert model.cost(3) == pytest.approx(1.13) and model.cost(4) == pytest.approx(1.9)
+    assert model.costs(np.array([1, 3, 80])).tolist() == pytest.approx([1.0, 1.13, model.cost(80)])
 
 
 def test_cost_model_prior_until_measured_and_monotone():
@@ -247,9 +265,9 @@ def test_batch_cost_model_borrows_from_batch_one_until_measured():
 
 def test_a_large_batch_drafts_less():
     drafter = MixtureDrafter()
-    for width, seconds in ((1, 0.1), (4, 0.25), (16, 0.6)):  # at batch 8, 4 tokens per row cost 2.5x
+    for width in (1, 2, 3, 4, 16):  # at batch 8, each token more per row costs half a forward
         for _ in range(3):
-            drafter.on_forward(ForwardReport(tuple(range(8)), (width,) * 8, seconds))
-    probs = np.array([0.3, 0.2, 0.1])  # 0.6 expected tokens: worth 3 nodes at c_1, nothing at c_8
+            drafter.on_forward(ForwardReport(tuple(range(8)), (width,) * 8, 0.1 * (1 + 0.5 * (width - 1))))
+    probs = np.array([0.3, 0.2, 0.1])  # 0.6 expected tokens: worth 3 nodes at c_1 (the prior), nothing at c_8
     assert drafter._choose_size(probs, 24, batch_size=1) == 3
     assert drafter._choose_size(probs, 24, batch_size=8) == 0
