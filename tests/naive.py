@@ -195,3 +195,17 @@ def naive_grow_tree(tables, root, root_prev, exact_root, probs, max_nodes, max_d
         if kind[1] < max_depth:
             push(len(token_ids) - 1, token, parent_token, False, -neg_prob, kind[1])
     return token_ids, parents, path_probs, kinds
+
+
+# =====================================================================================
+# freespec.kernels.ngram_pool
+# A pool is an OrderedDict: key -> list of grams (tuples), most recent first; keys in write order.
+# =====================================================================================
+
+
+def naive_pool_insert(pool, max_keys, guesses, key, gram) -> None:
+    """Twin of ``pool_insert_kernel``: LRU over keys (by last write), LRU and dedup within a key."""
+    if key not in pool and len(pool) == max_keys:
+        pool.popitem(last=False)
+    grams = [g for g in pool.pop(key, []) if g != tuple(gram)]
+    pool[key] = [tuple(gram)] + grams[: guesses - 1]

@@ -15,6 +15,7 @@ _REGISTRY = {
     "corpus": "freespec.drafters.corpus:CorpusDrafter",
     "mixture": "freespec.drafters.mixture:MixtureDrafter",
     "recycle": "freespec.drafters.recycle:RecycleDrafter",
+    "lookahead": "freespec.drafters.lookahead:LookaheadDrafter",
 }
 
 
