@@ -38,17 +38,21 @@ class CostModel:
     thread), c(2) = 1.07, c(3) = 1.13 but c(4) = 1.9 and c(16) = 2.4, while in
     bfloat16 on an AMX CPU c(16) = 1.3.
 
-    An unmeasured bucket is *optimistic*: the lower of the prior ``1 + prior_slope (n - 1)``
-    and the line between its measured neighbours (the prior's slope past the last), so a
-    drafter tries each size a few times before the curve says whether it pays; a
-    cheap size between two dear ones (c(3) above) is found, not interpolated away.
-    The curve is made non-decreasing and read linearly in ``n`` between buckets,
-    extrapolated past 64. Forwards of more than 64 tokens (prefills) are ignored.
+    An unmeasured bucket reads the line between its measured neighbours (the prior's
+    slope past the last); up to ``OPTIMISTIC_UP_TO`` tokens it is *optimistic* instead,
+    the lower of that line and the prior ``1 + prior_slope (n - 1)`` (never below its
+    lower neighbour), so a drafter tries each small size a few times before the curve
+    says whether it pays: a cheap size between two dear ones (c(3) above) is found, not
+    interpolated away, while a wide size is never tried on faith (on a machine where
+    c(2) is already 3, exploring 64 tokens would cost dozens of forwards). The curve is
+    made non-decreasing and read linearly in ``n`` between buckets, extrapolated past 64.
+    Forwards of more than 64 tokens (prefills) are ignored.
 
     ``CostModel().cost(9) == 1.24`` before any measurement.
     """
 
     BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+    OPTIMISTIC_UP_TO = 8
 
     def __init__(self, prior_slope: float = 0.03, window: int = 32, min_samples: int = 3):
         if not prior_slope >= 0:
@@ -91,7 +95,7 @@ class CostModel:
                 line = np.interp(sizes, sizes[known_at], known)
                 last = known_at[-1]
                 line[last + 1:] = known[-1] + self.prior_slope * (sizes[last + 1:] - sizes[last])
-                curve = np.minimum(line, prior)  # unmeasured buckets: optimistic
+                curve = np.where(sizes <= self.OPTIMISTIC_UP_TO, np.minimum(line, prior), line)
                 curve[known_at] = known
             self._curve = np.maximum.accumulate(curve)
         return self._curve
