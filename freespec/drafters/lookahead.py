@@ -63,6 +63,7 @@ import numpy as np
 
 from ..draft import Budget, Draft
 from ..kernels.ngram_pool import pool_insert_kernel
+from ..tree import follow
 from .base import Drafter, ForwardReport, VerifyOutput, exercise
 from .calibration import DraftSizer, calibrate_lookup
 from .options import check_bool, check_int, check_number
@@ -366,8 +367,6 @@ class LookaheadDrafter(Drafter):
     def _on_extend(self, request_id, ids: np.ndarray) -> None:
         candidates = self._proposed.pop(request_id, None)
         if candidates is not None and candidates.num_nodes:
-            from ..tree import follow
-
             self.lookahead.credit(len(follow(candidates.parents, candidates.token_ids, ids)))
         self.sizer.judge(request_id, ids)
         self.lookahead.advance(request_id, ids.shape[0])
