@@ -16,7 +16,7 @@ from freespec.demo import EXAMPLE_CODE
 from freespec.drafters.mixture import MixtureDrafter
 from freespec.testing.drafters import OracleDrafter, WrongDrafter
 
-from conftest import plain_generate
+from conftest import patched_generate, plain_generate
 
 REAL_DRAFTERS = ["prompt_lookup", "mixture", "suffix", "ngram", "corpus", "recycle", "lookahead"]
 
@@ -48,12 +48,7 @@ def _drafters(reference, vocab_size):
 def _check(model, prompt, drafter, **gen):
     plain = plain_generate(model, prompt, **gen)
     drafter_obj = drafter(plain) if callable(drafter) else drafter
-    freespec.patch(model, drafter=drafter_obj)
-    try:
-        out = model.generate(prompt, **gen)
-        stats = freespec.stats(model)
-    finally:
-        freespec.unpatch(model)
+    out, stats = patched_generate(model, drafter_obj, prompt, **gen)
     assert stats.fallback_reason is None
     assert out.tolist() == plain.tolist(), f"drafter {drafter_obj!r} diverged"
     assert stats.new_tokens == plain.shape[1] - prompt.shape[1]
@@ -83,13 +78,7 @@ def test_compacted_cache_equals_a_linear_run(which, request):
     prompt = _prompts(model.config.vocab_size, model.config.eos_token_id)[2]
     gen = dict(max_new_tokens=30, do_sample=False, return_dict_in_generate=True, output_logits=True)
     plain = plain_generate(model, prompt, **gen)
-    freespec.patch(model, drafter=_full_trees(None))
-    try:
-        with torch.no_grad():
-            out = model.generate(prompt, **gen)
-        stats = freespec.stats(model)
-    finally:
-        freespec.unpatch(model)
+    out, stats = patched_generate(model, _full_trees(None), prompt, **gen)
     assert stats.noncandidate_tokens > 0 and stats.accepted_draft_tokens > 0
     assert out.sequences.tolist() == plain.sequences.tolist() and len(out.logits) == len(plain.logits)
     for ours, theirs in zip(out.logits, plain.logits):
