@@ -279,7 +279,8 @@ class _Loop:
     def warm_up(self) -> None:
         import torch
 
-        warm_ids = torch.tensor([format_prompt(self.tokenizer, [{"role": "user", "content": WARMUP_MESSAGE}])])
+        warm_ids = torch.tensor([format_prompt(self.tokenizer, [{"role": "user", "content": WARMUP_MESSAGE}])],
+                                device=self.model.device)
         warm_kwargs = dict(self.gen_kwargs, max_new_tokens=min(16, self.gen_kwargs["max_new_tokens"]))
         for runner in self.runners:
             with torch.inference_mode():
@@ -291,7 +292,7 @@ class _Loop:
 
         run, index = self.run, self.prompt_index
         prompt_ids = format_prompt(self.tokenizer, conversation(item, turn, answers))
-        input_ids = torch.tensor([prompt_ids])
+        input_ids = torch.tensor([prompt_ids], device=self.model.device)
         call_kwargs = dict(self.gen_kwargs, attention_mask=torch.ones_like(input_ids))
         order = self.runners if index % 2 == 0 else self.runners[::-1]
         results: dict[str, dict] = {}

@@ -15,6 +15,8 @@ _REGISTRY = {
     "corpus": "freespec.drafters.corpus:CorpusDrafter",
     "mixture": "freespec.drafters.mixture:MixtureDrafter",
     "prediction": "freespec.drafters.prediction:PredictionDrafter",
+    "recycle": "freespec.drafters.recycle:RecycleDrafter",
+    "lookahead": "freespec.drafters.lookahead:LookaheadDrafter",
 }
 
 
