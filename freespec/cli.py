@@ -29,6 +29,8 @@ comma-separated methods (commas inside {...} do not split):
   freespec:NAME{k=v,...}   SpecConfig fields (max_draft_tokens, max_draft_depth, adaptive_budget)
                            configure the engine; other keys are drafter options,
                            e.g. freespec:suffix{min_match=3,max_draft_tokens=32}
+  freespec{prediction=true} also passes each item's prediction (builtin:code-edit: the
+                           code shown) as generate(prediction=...)
   arctic-suffix[{k=v,...}] Snowflake's SuffixDecoding drafter under freespec's verifier
                            (needs: pip install 'freespec[peers]')
 quote the list in a shell: --methods 'vanilla,freespec:suffix{min_match=3}'"""

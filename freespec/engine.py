@@ -80,6 +80,7 @@ class ModelTraits:
     rope_dynamic_limit: int | None = None  # dynamic RoPE: drafts only while the forward stays below
     rope_long_limit: int | None = None  # LongRoPE: a forward must not cross it with draft nodes
     asks_model_for_cache: bool = False  # the model's prepare_inputs_for_generation may drop the cache
+    takes_logits_to_keep: bool = True  # forward(logits_to_keep=) exists (not on Bloom, MPT, ... in transformers 4.57)
 
     @property
     def no_windows(self) -> bool:
@@ -109,13 +110,16 @@ class ModelTraits:
                 f"attention implementation {impl!r} (supported: 'sdpa', 'eager'; load with attn_implementation='sdpa')"
             )
         params = inspect.signature(model.forward).parameters
+        if "cache" not in params and "past_key_values" not in params:  # e.g. Mamba's cache_params (4.57)
+            raise UnsupportedForSpeculation(f"{type(model).__name__}.forward takes no KV cache (cache= or "
+                                            f"past_key_values=): only attention models are supported")
         cache_kwarg = "cache" if "cache" in params else "past_key_values"
         windows, per_type = _layer_windows(config)
         dynamic_limit, long_limit = _rope_limits(model)
         return cls(cache_kwarg, impl == "eager", model.dtype, windows, per_type,
                    vocab_size=int(model.get_input_embeddings().num_embeddings), chains_only=uses_alibi(config),
                    rope_dynamic_limit=dynamic_limit, rope_long_limit=long_limit,
-                   asks_model_for_cache=long_limit is not None)
+                   asks_model_for_cache=long_limit is not None, takes_logits_to_keep="logits_to_keep" in params)
 
 
 def _layer_windows(config) -> tuple[dict[str, int | None], bool]:
@@ -190,16 +194,17 @@ def forward_rows(model, traits: ModelTraits, cache, layout: KVLayout, rows: list
     single = len(rows) == 1 and not layout.ragged
     if single and (traits.chains_only or (rows[0].num_fed == 1 and traits.no_windows)):
         mask = None  # the causal mask: a plain decode step, or a chain on an ALiBi model
+    keep = width - num_pending + 1
     out = model(
         input_ids=input_ids,
         attention_mask=mask,
         position_ids=position_ids,
         cache_position=torch.arange(layout.length, layout.length + width, device=device),
         use_cache=True,
-        logits_to_keep=width - num_pending + 1,
+        **({"logits_to_keep": keep} if traits.takes_logits_to_keep else {}),
         **{traits.cache_kwarg: cache},
     )
-    return out.logits.to(dtype=torch.float32)
+    return out.logits[:, -keep:].to(dtype=torch.float32)
 
 
 def tree_forward(model, traits: ModelTraits, cache, cache_len: int, pending: list[int], draft: Draft) -> torch.Tensor:
@@ -260,9 +265,11 @@ class SpeculativeDecoder:
         self.device = model.device
 
     def generate(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None,
-                 documents=None, tokenizer=None, attention_mask=None):
+                 documents=None, tokenizer=None, attention_mask=None, predictions=None):
         """Decode every row. ``attention_mask`` [B, L]: left padding (zeros first), or None for none.
-        ``documents``: token-id arrays or texts (with ``tokenizer``) every row's drafter may draft from."""
+        ``documents``: token-id arrays or texts (with ``tokenizer``) every row's drafter may draft from.
+        ``predictions``: per row, token ids of the output the caller expects (a hint, e.g. the file being
+        edited), or None; None for none."""
         self.logits_processor, self.stopping_criteria, self.streamer = logits_processor, stopping_criteria, streamer
         self.do_sample = bool(generation_config.do_sample)
         self.want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
@@ -274,8 +281,9 @@ class SpeculativeDecoder:
         started: list[Row] = []
         cache, layout = make_cache(), KVLayout(len(rows))
         try:
-            for row in rows:
-                self._timed_draft(self._start, row, documents, tokenizer)
+            for r, row in enumerate(rows):
+                prediction = None if predictions is None else predictions[r]
+                self._timed_draft(self._start, row, documents, tokenizer, prediction)
                 started.append(row)
             active = [row for row in rows if not row.done]
             while active:
@@ -334,10 +342,12 @@ class SpeculativeDecoder:
         finally:
             self.stats.draft_s += time.perf_counter() - t0
 
-    def _start(self, row: Row, documents, tokenizer) -> None:
+    def _start(self, row: Row, documents, tokenizer, prediction) -> None:
         self.drafter.start(row.request_id, np.asarray(row.sequence[row.num_pads:], np.int64))
         if documents is not None:
             self.drafter.add_documents(row.request_id, documents, tokenizer)
+        if prediction is not None:
+            self.drafter.add_prediction(row.request_id, prediction)
 
     def _follow_model_cache_policy(self, active: list[Row], cache, layout: KVLayout) -> None:
         """Re-prefill where the model's own ``prepare_inputs_for_generation`` would drop the cache.

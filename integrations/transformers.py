@@ -26,10 +26,16 @@ and extra model inputs (images, ...); and, for batches of several rows only,
 a streamer to a custom_generate callable, so the wrapper keeps it and the engine
 feeds it.
 
-One argument plain ``generate()`` lacks: ``documents=[...]`` (texts, with
-``tokenizer=``, or token-id sequences) gives this call's drafter documents to
-draft from, e.g. the retrieved passages of a RAG prompt. If the call falls
-back to plain decoding, documents only cost nothing: output is the same.
+Arguments plain ``generate()`` lacks, each a hint that changes speed, never
+output: ``documents=[...]`` (texts, with ``tokenizer=``, or token-id sequences)
+gives this call's drafter documents to draft from, e.g. the retrieved passages
+of a RAG prompt, after those of the enclosing ``freespec.documents(...)``
+blocks (``freespec/context.py``: how a framework that calls ``generate()`` for
+you gets them); ``prediction=`` (a text, with ``tokenizer=``, or 1-D token ids;
+for a batch, one for all rows or a list of one per row) is the output the caller
+expects, e.g. the file a code edit rewrites. Both are
+checked on every call (a bad one raises ``ValueError`` naming it) and dropped
+when the call falls back to plain decoding.
 """
 
 from __future__ import annotations
@@ -40,13 +46,15 @@ import logging
 import numpy as np
 import torch
 
+from ..compat import generate_output, transformers_version
 from ..config import SpecConfig
+from ..drafters.base import as_token_array, encode_text
 from ..engine import ModelTraits, SpeculativeDecoder, UnsupportedForSpeculation
 from ..stats import SpecStats
 
 logger = logging.getLogger("freespec")
 
-SUPPORTED_TRANSFORMERS = ((5, 24), (6, 0))  # [min, max)
+SUPPORTED_TRANSFORMERS = ((4, 57), (6, 0))  # [min, max)
 
 # model kwargs that generate() prepares for plain decoding and the engine honours
 # model kwargs that generate() prepares for plain decoding and the engine honours
@@ -103,9 +111,8 @@ def model_handle(model):
 def _check_transformers_version() -> None:
     import transformers
 
-    parts = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
     low, high = SUPPORTED_TRANSFORMERS
-    if not (low <= parts < high):
+    if not (low <= transformers_version() < high):
         raise RuntimeError(
             f"freespec supports transformers >= {'.'.join(map(str, low))}, < {'.'.join(map(str, high))}; "
             f"found {transformers.__version__}"
@@ -315,32 +322,96 @@ def _stop_strings_as_criteria(model, args, kwargs) -> tuple[tuple, dict]:
 
 
 def _documents(patched: PatchedGenerate, documents, tokenizer) -> list | None:
-    """Check ``generate(documents=...)``: texts (with ``tokenizer=``) or token-id sequences in the vocabulary."""
-    if documents is None:
+    """This call's documents: those of ``generate(documents=...)`` (texts, with ``tokenizer=``, or token-id
+    sequences) after those of the enclosing ``freespec.documents`` blocks, checked against the vocabulary."""
+    from ..context import active_documents
+
+    scoped = list(active_documents())
+    if documents is None and not scoped:
         return None
+    where = "documents=" if documents is not None else "freespec.documents()"
     if not patched.drafter.accepts_documents:
-        raise ValueError(f"documents= needs a drafter that drafts from documents (mixture, corpus); "
+        raise ValueError(f"{where} needs a drafter that drafts from documents (mixture, corpus); "
                          f"this model's drafter is {patched.drafter.name!r}")
-    if isinstance(documents, (str, bytes)) or not hasattr(documents, "__iter__"):
-        raise ValueError("documents must be a list of texts or of token-id sequences")
-    documents = list(documents)
+    if documents is not None:
+        if isinstance(documents, (str, bytes)) or not hasattr(documents, "__iter__"):
+            raise ValueError("documents must be a list of texts or of token-id sequences")
+        documents = list(documents)
+        if tokenizer is None and any(isinstance(doc, str) for doc in documents):
+            raise ValueError("text documents need tokenizer= in generate() to turn them into token ids")
     vocab_size = patched.model.get_input_embeddings().num_embeddings
-    for i, doc in enumerate(documents):
-        if isinstance(doc, str):
-            if tokenizer is None:
-                raise ValueError("text documents need tokenizer= in generate() to turn them into token ids")
-            continue
-        ids = np.asarray(doc)
-        if ids.size and np.issubdtype(ids.dtype, np.integer) and (ids.min() < 0 or ids.max() >= vocab_size):
-            raise ValueError(f"documents[{i}] holds token id {int(ids.max() if ids.max() >= vocab_size else ids.min())}"
-                             f", outside the model's vocabulary [0, {vocab_size})")
-    return documents
+    for i, doc in enumerate(scoped):
+        _check_in_vocab(doc, vocab_size, f"freespec.documents() document {i}")
+    for i, doc in enumerate(documents or []):
+        if not isinstance(doc, str):
+            _check_in_vocab(np.asarray(doc), vocab_size, f"documents[{i}]")
+    return scoped + (documents or [])
+
+
+def _prediction(patched: PatchedGenerate, prediction, tokenizer, batch_size: int) -> list | None:
+    """``generate(prediction=...)`` as token ids per row (None: no prediction for that row).
+
+    One prediction (a text, tokenized with ``tokenizer=``, or 1-D token ids) serves
+    every row; a list with one entry per row (each a text, token ids or None), or a
+    2-D tensor, gives each row its own.
+    """
+    if prediction is None:
+        return None
+    if not patched.drafter.accepts_prediction:
+        raise ValueError(f"prediction= needs a drafter that drafts from a predicted output (mixture, prediction); "
+                         f"this model's drafter is {patched.drafter.name!r}")
+    if isinstance(prediction, torch.Tensor):
+        prediction = prediction.cpu().numpy()
+    per_row = (isinstance(prediction, np.ndarray) and prediction.ndim == 2) or (
+        isinstance(prediction, (list, tuple)) and any(p is None or isinstance(p, str) or hasattr(p, "__len__")
+                                                      for p in prediction))
+    if not per_row:
+        return [_prediction_ids(patched, prediction, tokenizer, "prediction")] * batch_size
+    if len(prediction) != batch_size:
+        raise ValueError(f"prediction has {len(prediction)} entries (one per row) for a batch of {batch_size} "
+                         f"row(s); pass one text or one 1-D sequence of token ids for every row")
+    return [None if p is None else _prediction_ids(patched, p, tokenizer, f"prediction[{r}]")
+            for r, p in enumerate(prediction)]
+
+
+def _prediction_ids(patched: PatchedGenerate, prediction, tokenizer, name: str) -> np.ndarray:
+    """One row's prediction as int64 token ids in the vocabulary."""
+    if isinstance(prediction, str):
+        if tokenizer is None:
+            raise ValueError(f"{name} given as text needs tokenizer= in generate() to turn it into token ids "
+                             f"(or pass token ids)")
+        ids = encode_text(prediction, tokenizer)
+    elif isinstance(prediction, bytes) or not hasattr(prediction, "__len__"):
+        raise ValueError(f"{name} must be a text or a 1-D sequence of token ids, got {type(prediction).__name__}")
+    else:
+        ids = as_token_array(prediction, name)
+    _check_in_vocab(ids, patched.model.get_input_embeddings().num_embeddings, name)
+    return ids.astype(np.int64)
+
+
+def _expanded(predictions: list | None, num_rows: int) -> list | None:
+    """Per-row predictions for ``num_rows`` rows: generate() repeats each row for ``num_return_sequences``.
+
+    ``_expanded([a, b], 4) -> [a, a, b, b]`` (as ``repeat_interleave`` expands the input rows).
+    """
+    if predictions is None or len(predictions) == num_rows:
+        return predictions
+    return [p for p in predictions for _ in range(num_rows // len(predictions))]
+
+
+def _check_in_vocab(ids: np.ndarray, vocab_size: int, name: str) -> None:
+    if ids.size and np.issubdtype(ids.dtype, np.integer) and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"{name} holds token id {int(ids.max() if ids.max() >= vocab_size else ids.min())}, "
+                         f"outside the model's vocabulary [0, {vocab_size})")
 
 
 def _generate(patched: PatchedGenerate, *args, **kwargs):
     _check_input_ids(_input_ids(args, kwargs))
     streamer = kwargs.pop("streamer", None)
     documents = _documents(patched, kwargs.pop("documents", None), kwargs.get("tokenizer"))
+    inputs = _input_ids(args, kwargs)
+    batch_size = inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else 1
+    predictions = _prediction(patched, kwargs.pop("prediction", None), kwargs.get("tokenizer"), batch_size)
     reason = _fallback_reason_from_kwargs(args, kwargs)
     if reason is not None:
         return _fall_back(patched, reason, args, kwargs, streamer)
@@ -361,17 +432,12 @@ def _generate(patched: PatchedGenerate, *args, **kwargs):
         decoder = SpeculativeDecoder(model_, patched.drafter, patched.config, stats_box[-1], ModelTraits.of(model_))
         sequences, scores, logits, cache = decoder.generate(
             input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-            documents=documents, tokenizer=tokenizer, attention_mask=model_kwargs.get("attention_mask"))
+            documents=documents, tokenizer=tokenizer, attention_mask=model_kwargs.get("attention_mask"),
+            predictions=_expanded(predictions, input_ids.shape[0]))
         if not generation_config.return_dict_in_generate:
             return sequences
-        from transformers.generation.utils import GenerateDecoderOnlyOutput
-
-        return GenerateDecoderOnlyOutput(
-            sequences=sequences,
-            scores=tuple(scores) if generation_config.output_scores else None,
-            logits=tuple(logits) if generation_config.output_logits else None,
-            cache=cache,
-        )
+        return generate_output(sequences, tuple(scores) if generation_config.output_scores else None,
+                               tuple(logits) if generation_config.output_logits else None, cache)
 
     try:
         result = patched.__wrapped__(*args, custom_generate=speculative_generate, **kwargs)

@@ -17,7 +17,7 @@ from freespec.integrations.transformers import TESTED_MODEL_TYPES
 from freespec.testing.drafters import OracleDrafter, WrongDrafter
 from freespec.testing.models import FAMILIES, tiny_random
 
-from conftest import plain_generate
+from conftest import patched_generate, plain_generate
 
 VOCAB = 96
 
@@ -37,14 +37,7 @@ def _check(pristine, prompt, max_new_tokens=30):
     for label, drafter in (("wrong", WrongDrafter(plain[0], VOCAB)),
                            ("oracle-tree", OracleDrafter(plain[0], VOCAB, num_wrong_siblings=2)),
                            ("oracle", OracleDrafter(plain[0], VOCAB)), ("mixture", "mixture")):
-        model = copy.deepcopy(pristine)
-        freespec.patch(model, drafter=drafter)
-        try:
-            with torch.no_grad():
-                out = model.generate(prompt, **gen)
-            stats = freespec.stats(model)
-        finally:
-            freespec.unpatch(model)
+        out, stats = patched_generate(copy.deepcopy(pristine), drafter, prompt, **gen)
         assert stats.fallback_reason is None
         assert out.tolist() == plain.tolist(), f"{drafter!r} diverged"
         if label == "wrong":

@@ -19,7 +19,7 @@ from freespec.engine import ModelTraits, forward_rows, make_cache
 from freespec.integrations.transformers import is_patched
 from freespec.testing.models import tiny_random_gemma3, tiny_random_llama
 
-from conftest import plain_generate
+from conftest import patched_generate, plain_generate
 
 
 class PerRow(Drafter):
@@ -78,15 +78,6 @@ def references(plain_out, ids, mask):
     return out
 
 
-def _patched(model, drafter, *args, **kwargs):
-    freespec.patch(model, drafter=drafter)
-    try:
-        with torch.no_grad():
-            return model.generate(*args, **kwargs), freespec.stats(model)
-    finally:
-        freespec.unpatch(model)
-
-
 @pytest.mark.parametrize("build,dtype", [(tiny_random_llama, torch.float32), (tiny_random_llama, torch.float64),
                                          (tiny_random_gemma3, torch.float32)])
 def test_batched_greedy_equals_plain_batched(build, dtype):
@@ -99,7 +90,7 @@ def test_batched_greedy_equals_plain_batched(build, dtype):
     drafters = [PerRow(refs, OracleDrafter, num_wrong_siblings=2), PerRow(refs, WrongDrafter),
                 "mixture", "prompt_lookup", "suffix", "ngram"]
     for drafter in drafters:
-        out, stats = _patched(model, drafter, ids, attention_mask=mask, **gen)
+        out, stats = patched_generate(model, drafter, ids, attention_mask=mask, **gen)
         assert stats.fallback_reason is None
         assert out.tolist() == plain.tolist(), f"drafter {drafter!r} diverged"
         if isinstance(drafter, PerRow) and drafter.cls is OracleDrafter:
@@ -117,7 +108,7 @@ def test_rows_finish_at_different_steps_and_are_padded_as_plain_pads_them():
     plain = plain_generate(model, ids, attention_mask=mask, **gen)
     refs = references(plain, ids, mask)
     for drafter in (PerRow(refs, OracleDrafter), "mixture"):
-        out, stats = _patched(model, drafter, ids, attention_mask=mask, **gen)
+        out, stats = patched_generate(model, drafter, ids, attention_mask=mask, **gen)
         assert out.tolist() == plain.tolist()
     assert (out[2, ids.shape[1] + 4:] == 1).all()  # row 2 stopped at its EOS and was padded
 
@@ -128,7 +119,7 @@ def test_num_return_sequences_rows_share_their_prompt():
     ids, mask = left_padded(batch_prompts(2, lengths=(25, 12)), 1)
     gen = dict(max_new_tokens=20, do_sample=True, top_k=1, pad_token_id=1, num_return_sequences=3)
     plain = plain_generate(model, ids, attention_mask=mask, **gen)  # top_k=1: the draws are deterministic
-    out, stats = _patched(model, "mixture", ids, attention_mask=mask, **gen)
+    out, stats = patched_generate(model, "mixture", ids, attention_mask=mask, **gen)
     assert stats.fallback_reason is None and out.shape[0] == 6 and stats.row_forwards >= 6
     assert out.tolist() == plain.tolist()
     assert out[:3, : ids.shape[1]].tolist() == [ids[0].tolist()] * 3
@@ -143,7 +134,7 @@ def test_what_a_batch_cannot_honour_falls_back(kwargs, reason):
     ids, mask = left_padded(batch_prompts(3, lengths=(6, 11)), 1)
     gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=1, **kwargs)
     plain = plain_generate(model, ids, attention_mask=mask, **gen)
-    out, stats = _patched(model, "mixture", ids, attention_mask=mask, **gen)
+    out, stats = patched_generate(model, "mixture", ids, attention_mask=mask, **gen)
     assert reason in stats.fallback_reason
     sequences = out.sequences if hasattr(out, "sequences") else out
     assert sequences.tolist() == (plain.sequences if hasattr(plain, "sequences") else plain).tolist()
@@ -153,7 +144,7 @@ def test_right_padding_falls_back():
     model = tiny_random_llama(dtype=torch.float64)
     ids, mask = left_padded(batch_prompts(3, lengths=(6, 11)), 1)
     ids, mask = ids.flip(-1), mask.flip(-1)
-    out, stats = _patched(model, "mixture", ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+    out, stats = patched_generate(model, "mixture", ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                           pad_token_id=1)
     assert "not left padding" in stats.fallback_reason
 

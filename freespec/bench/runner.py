@@ -251,6 +251,8 @@ def run_bench(model, tokenizer, items: Sequence[Item], methods: Sequence[MethodS
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     run = BenchRun(greedy=temperature <= 0, batch_size=batch_size)
     runners = _build_runners(methods, run, log)
+    if any(r.method.use_prediction for r in runners) and not any(item.predictions for item in items):
+        run.notes.append("a method asks for prediction=true but no item carries a prediction: it ran without one")
     gen_kwargs = _generation_kwargs(tokenizer, max_new_tokens, temperature, seed, run)
     loop = _Loop(model, tokenizer, runners, run, gen_kwargs, seed, save_traces, log)
     try:
@@ -333,7 +335,7 @@ class _Loop:
 
         warm_ids = format_prompt(self.tokenizer, [{"role": "user", "content": WARMUP_MESSAGE}])
         rows = [warm_ids[: len(warm_ids) - k] for k in range(self.run.batch_size)]  # ragged: exercise the padding
-        input_ids, attention_mask = left_pad(rows, self.gen_kwargs.get("pad_token_id", 0))
+        input_ids, attention_mask = left_pad(rows, self.gen_kwargs.get("pad_token_id", 0), self.model.device)
         warm_kwargs = dict(self.gen_kwargs, max_new_tokens=min(16, self.gen_kwargs["max_new_tokens"]),
                            attention_mask=attention_mask)
         for runner in self.runners:
@@ -347,8 +349,9 @@ class _Loop:
 
         run, index = self.run, self.prompt_index
         prompts = [format_prompt(self.tokenizer, conversation(item, turn, answers)) for item, turn, answers in entries]
-        input_ids, attention_mask = left_pad(prompts, self.gen_kwargs.get("pad_token_id", 0))
+        input_ids, attention_mask = left_pad(prompts, self.gen_kwargs.get("pad_token_id", 0), self.model.device)
         call_kwargs = dict(self.gen_kwargs, attention_mask=attention_mask)
+        predictions = [item.prediction_of(turn) for item, turn, _ in entries]
         order = self.runners if index % 2 == 0 else self.runners[::-1]
         results: dict[str, dict] = {}
         outputs: dict[str, list[list[int]]] = {}
@@ -356,8 +359,9 @@ class _Loop:
             label = runner.method.label
             if not run.greedy:
                 torch.manual_seed(self.seed * 1_000_003 + index)
-            outputs[label], results[label], stats = run_method(runner, self.model, self.counter, input_ids,
-                                                               call_kwargs, self.eos_ids)
+            outputs[label], results[label], stats = run_method(
+                runner, self.model, self.counter, input_ids,
+                _with_prediction(runner, call_kwargs, predictions, self.tokenizer), self.eos_ids)
             disagreement = engine_disagreement(label, index, stats, results[label])
             if disagreement:
                 run.notes.append(disagreement)
@@ -412,8 +416,8 @@ class _Loop:
             self.log(f"[{self.prompt_index}/{self.total_prompts}] {_postfix(results, self.run.reference)}")
 
 
-def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int):
-    """(input_ids [B, L], attention_mask [B, L]) of token-id rows padded on the left to the longest.
+def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int, device=None):
+    """(input_ids [B, L], attention_mask [B, L]) of token-id rows padded on the left to the longest, on ``device``.
 
     ``left_pad([[5, 6], [7]], 0)`` -> ``[[5, 6], [0, 7]]``, mask ``[[1, 1], [0, 1]]``.
     """
@@ -425,7 +429,7 @@ def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int):
     for b, row in enumerate(rows):
         input_ids[b, width - len(row):] = torch.tensor(list(row), dtype=torch.long)
         attention_mask[b, width - len(row):] = 1
-    return input_ids, attention_mask
+    return input_ids.to(device), attention_mask.to(device)
 
 
 def _eos_ids(model, gen_kwargs: dict) -> tuple[int, ...]:
@@ -434,6 +438,14 @@ def _eos_ids(model, gen_kwargs: dict) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def _with_prediction(runner: MethodRunner, call_kwargs: dict, predictions: Sequence[str | None], tokenizer) -> dict:
+    """The call's generate() kwargs, with each row's item's prediction (None: that row has none) for a method
+    with ``{prediction=true}``."""
+    if not runner.method.use_prediction or all(p is None for p in predictions):
+        return call_kwargs
+    return dict(call_kwargs, prediction=list(predictions), tokenizer=tokenizer)
 
 
 def _progress_bar(total: int, enabled: bool):

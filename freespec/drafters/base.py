@@ -5,7 +5,9 @@ and never sees the model (unless it declares ``needs_model``, below). The
 engine drives it through one request's life::
 
     drafter.start(request_id, prompt_ids)            # index the prompt
-    drafter.add_documents(request_id, docs, tok)     # only with generate(documents=...)
+    drafter.add_documents(request_id, docs, tok)     # only with documents (generate(documents=...),
+                                                     # freespec.documents(...))
+    drafter.add_prediction(request_id, ids)          # only with generate(prediction=...)
     while not done:
         draft = drafter.propose(request_id, budget)   # a Draft within budget
         ...one verify forward...
@@ -57,7 +59,7 @@ each live request as a growing int32 array, and lifecycle checks
 **Threads.** A host may call one drafter from several threads (two threads
 calling ``generate()`` on one patched model share its drafter). Every hook
 (``start``, ``propose``, ``extend``, ``observe``, ``stop``, ``add_documents``,
-``on_forward``, ``attach_model``, ``warmup``), in ``Drafter`` and in any
+``add_prediction``, ``on_forward``, ``attach_model``, ``warmup``), in ``Drafter`` and in any
 subclass that overrides it, runs holding the instance's reentrant lock
 (``__init_subclass__`` wraps the overrides; a hook added to ``Drafter`` takes
 ``@_locked``), so a subclass's state needs no
@@ -140,6 +142,11 @@ def as_token_array(ids, name: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
+def encode_text(text: str, tokenizer) -> np.ndarray:
+    """Token ids of ``text``, as it would appear inside an output: ``tokenizer.encode(text, add_special_tokens=False)``."""
+    return np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int64)
+
+
 def exercise(drafter: "Drafter") -> None:
     """Run two tiny requests through ``drafter`` (compiles its kernels; see ``warmup``)."""
     drafter.start("warmup", [1, 2, 3, 1, 2])
@@ -216,6 +223,7 @@ class Drafter(Lockable):
     ``observe_top_k``: > 0 asks the engine for the target's top-k tokens at every
         fed node, through ``observe``.
     ``accepts_documents``: True when ``add_documents`` works (``generate(documents=...)``).
+    ``accepts_prediction``: True when ``add_prediction`` works (``generate(prediction=...)``).
     ``needs_model``: True when the drafter drafts with the model (``attach_model``).
     ``isolation_options``: constructor options under which no token one request
         has seen can appear in another request's drafts (empty when that is the
@@ -230,6 +238,7 @@ class Drafter(Lockable):
     name = "drafter"
     observe_top_k = 0
     accepts_documents = False
+    accepts_prediction = False
     needs_model = False
     isolation_options: Mapping[str, Any] = {}
 
@@ -283,6 +292,16 @@ class Drafter(Lockable):
         """
         raise ValueError(f"drafter {self.name!r} does not draft from documents; use one that does "
                          f"(mixture, corpus) to pass documents=")
+
+    @_locked
+    def add_prediction(self, request_id: Hashable, prediction_ids: np.ndarray) -> None:
+        """A predicted output of this request (1-D token ids): most of it is expected to appear in the output.
+
+        Default: ``ValueError``, since this drafter does not draft from a prediction
+        (``accepts_prediction`` is False). Drafters that do override it.
+        """
+        raise ValueError(f"drafter {self.name!r} does not draft from a predicted output; use one that does "
+                         f"(mixture, prediction) to pass prediction=")
 
     @_locked
     def observe(self, request_id: Hashable, verify_output: VerifyOutput) -> None:
