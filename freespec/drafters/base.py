@@ -130,6 +130,13 @@ class ForwardReport:
         return max(self.tokens_per_row, default=0)
 
 
+MAX_TOKEN_ROWS = 1 << 18
+"""Per-token arrays that grow lazily with the largest token id seen (recycling's successor rows, lookahead's
+pool index) stop at this many rows: every vocabulary freespec loads fits (Gemma 3's 262,144 ids), and an id
+outside any vocabulary (valid input: ids go up to 2**31 - 1) cannot make state shared across requests
+allocate gigabytes. Tokens at or above it get no per-token row."""
+
+
 def as_token_array(ids, name: str) -> np.ndarray:
     """Check a 1-D sequence of non-negative token ids, return it as int32."""
     arr = np.asarray(ids)
@@ -268,8 +275,9 @@ class Drafter(Lockable):
 
     @_locked
     def propose(self, request_id: Hashable, budget: Budget) -> Draft:
-        self._context(request_id)
-        if budget.num_nodes == 0 or budget.max_depth == 0:
+        """A draft under the context's last token (``_propose``); empty for a zero budget, and before the
+        first token (an empty prompt, nothing committed yet: there is no root to draft under)."""
+        if budget.num_nodes == 0 or budget.max_depth == 0 or self._context(request_id).size == 0:
             return Draft.empty()
         return self._propose(request_id, budget)
 
