@@ -313,6 +313,7 @@ class RecycleDrafter(Drafter):
     """
 
     name = SOURCE
+    isolation_options = {"shared": False}  # no request's tokens or top-k reach another's drafts
 
     def __init__(self, top_k: int = 8, shared: bool = True, vocab_size: int | None = None, max_depth: int = 16,
                  min_prob: float = 0.01, seed_text: bool = True, text_k: int = 2, pair_slots: int = 1 << 16,
