@@ -27,6 +27,7 @@ from freespec.bench.replay import ReplayedRequest
 from freespec.draft import Budget, Draft
 from freespec.drafters import available, drafter_class, make
 from freespec.drafters.base import Drafter, ForwardReport
+from freespec.drafters.calibration import AcceptanceCalibrator
 from freespec.drafters.corpus import CorpusDrafter, DocumentIndex
 from freespec.drafters.mixture import MixtureDrafter
 from freespec.drafters.suffix import RequestHistory, SuffixDrafter
@@ -46,7 +47,8 @@ def fast_switching():
 
 def test_every_hook_is_locked_in_the_base_and_in_overrides():
     public = [name for name, value in vars(Drafter).items() if callable(value) and not name.startswith("_")]
-    assert {"start", "propose", "extend", "observe", "stop", "add_documents", "on_forward"} <= set(public)
+    hooks = {"start", "propose", "extend", "observe", "stop", "add_documents", "add_prediction", "on_forward"}
+    assert hooks <= set(public)
     for name in set(public) - UNLOCKED:
         assert getattr(getattr(Drafter, name), "_holds_drafter_lock", False), f"Drafter.{name} is not locked"
     for drafter_name in available():
@@ -86,8 +88,9 @@ def test_a_hook_waits_while_another_requests_hook_runs():
     assert drafter.context("b").tolist() == [3, 4, 5] and drafter.reported.request_ids == ("a",)
 
 
-# options under which a request's drafts depend on its own stream alone (nothing shared, no cost model)
-DETERMINISTIC = {"mixture": {"adaptive": False}}
+# options under which a request's drafts depend on its own stream alone (nothing shared, no cost model;
+# the acceptance calibration, numbers shared by design, is frozen by the test)
+DETERMINISTIC = {"mixture": {"adaptive": False}, "recycle": {"adaptive": False}, "lookahead": {"adaptive": False}}
 
 
 def _run_requests(drafter, requests: list[tuple], config, drafts: dict, interleave: int = 2) -> None:
@@ -132,7 +135,10 @@ def _in_threads(jobs: list[tuple], config, drafts: dict | None = None, interleav
 
 
 @pytest.mark.parametrize("name", [n for n in available() if not drafter_class(n).needs_model])
-def test_threads_hammering_one_drafter_get_the_single_threaded_drafts(name, fast_switching):
+def test_threads_hammering_one_drafter_get_the_single_threaded_drafts(name, fast_switching, monkeypatch):
+    # acceptance counts are shared across requests by design (numbers about the model, no tokens) and
+    # order recycled and lookup trees: frozen at their priors, a request's drafts are its own stream's
+    monkeypatch.setattr(AcceptanceCalibrator, "update", lambda self, kind, accepted: None)
     options = {**drafter_class(name).isolation_options, **DETERMINISTIC.get(name, {})}
     config = SpecConfig(max_draft_tokens=256, max_draft_depth=16)
     requests = [((name, j), prompt, output) for j, (prompt, output) in enumerate(code_streams(48, 64, 24))]
