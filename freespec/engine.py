@@ -17,8 +17,10 @@ One step, as ``SpeculativeDecoder.generate`` runs it::
     accept = accept(state, draft, logits) # verify.accept_tree on the processed scores
     commit(state, draft, logits, accept)  # compact_cache, stopping criteria, streamer, drafter
 
-Drafter hooks: ``on_forward`` gets every forward's ``ForwardReport``;
-``observe`` the target's top-k at every fed node (``observe_top_k``).
+Drafter hooks: ``on_verified_cache`` gets the request's verified cache before
+each ``propose`` (model drafters draft against it); ``on_forward`` gets every
+forward's ``ForwardReport``; ``observe`` the target's top-k at every fed node
+(``observe_top_k``).
 """
 
 from __future__ import annotations
@@ -333,6 +335,7 @@ class SpeculativeDecoder:
             budget = Budget(budget.num_nodes, depth_limit)
         if budget.max_depth == 0:
             return Draft.empty()
+        self.drafter.on_verified_cache(state.request_id, state.cache, state.cache_len)
         draft = self.drafter.propose(state.request_id, budget)
         if not draft.num_nodes:
             return draft

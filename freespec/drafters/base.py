@@ -7,6 +7,7 @@ engine drives it through one request's life::
     drafter.start(request_id, prompt_ids)            # index the prompt
     drafter.add_documents(request_id, docs, tok)     # only with generate(documents=...)
     while not done:
+        drafter.on_verified_cache(request_id, cache, cache_len)  # for model drafters
         draft = drafter.propose(request_id, budget)   # a Draft within budget
         ...one verify forward...
         drafter.on_forward(report)                    # size and time of that forward
@@ -25,7 +26,9 @@ drafters that read the model:
 - **Model drafters.** A drafter with ``needs_model = True`` receives, once,
   ``attach_model(handle)``: a narrow handle the engine builds from the host
   model's public modules (run some decoder layers against the verified cache,
-  the final norm, the LM head). Only such drafters ever see torch.
+  the final norm, the LM head). Only such drafters ever see torch. Before
+  each ``propose`` the engine hands every drafter the request's verified
+  cache (``on_verified_cache``); a model drafter runs the handle against it.
 
 Worked example: token recycling in miniature. The target's top-1 after each
 fed token comes back through ``observe``; the draft chains those successors
@@ -220,6 +223,15 @@ class Drafter:
         Default: ``TypeError``: a drafter that declares ``needs_model`` must override it.
         """
         raise TypeError(f"drafter {self.name!r} declares needs_model but does not implement attach_model()")
+
+    def on_verified_cache(self, request_id: Hashable, cache, cache_len: int) -> None:
+        """The request's verified KV cache, handed over before each ``propose`` (for model drafters).
+
+        Its first ``cache_len`` entries hold ``context(request_id)[:cache_len]``; the
+        rest of the context is pending (fed by the next forward). The cache is the
+        engine's: a drafter reads it through its model handle (``DraftCache``) and
+        never writes it, nor keeps it past ``stop``. Default: ignored.
+        """
 
     def warmup(self) -> None:
         """Compile kernels ahead of the first request (no-op when there are none)."""
