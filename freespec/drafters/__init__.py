@@ -14,6 +14,7 @@ _REGISTRY = {
     "ngram": "freespec.drafters.ngram_table:NgramTableDrafter",
     "corpus": "freespec.drafters.corpus:CorpusDrafter",
     "mixture": "freespec.drafters.mixture:MixtureDrafter",
+    "early_exit": "freespec.drafters.early_exit:EarlyExitDrafter",
 }
 
 

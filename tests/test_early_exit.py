@@ -1,0 +1,229 @@
+"""The early-exit drafter: greedy output identical and sampling exact, the model's weights and the
+verified cache untouched, calibration chosen from measurements and cached per model."""
+
+import json
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+import freespec
+from freespec.draft import Budget
+from freespec.drafters import make
+from freespec.drafters.early_exit import EarlyExitDrafter
+from freespec.drafters.self_draft_calibration import (DraftRule, SelfDraftSetting, TeacherForced, candidate_layer_sets,
+                                                      setting_path, simulate, speedup)
+from freespec.models import tiny_random_gemma3, tiny_random_llama
+
+from conftest import plain_generate
+
+PROMPTS = [[3, 5, 7, 9, 11, 3, 5, 7], [20, 21, 22, 23, 20, 21], [40, 2, 90, 17]]
+FIXED = dict(layers=[0, 2, 4, 5], threshold=0.3)
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Calibrations go to a fresh $FREESPEC_CACHE (the real models are loaded before it is set)."""
+    monkeypatch.setenv("FREESPEC_CACHE", str(tmp_path))
+
+
+def six_layer_llama(**overrides):
+    return tiny_random_llama(num_hidden_layers=6, **overrides)
+
+
+def six_layer_gemma3():
+    return tiny_random_gemma3(num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"])
+
+
+def _generate_both(model, prompt, options, **gen):
+    expected = plain_generate(model, torch.tensor([prompt]), **gen)
+    freespec.patch(model, drafter="early_exit", drafter_options=options)
+    try:
+        out = model.generate(torch.tensor([prompt]), **gen)
+        return out, expected, freespec.stats(model), model.generate.drafter
+    finally:
+        freespec.unpatch(model)
+
+
+@pytest.mark.parametrize("make_model", [six_layer_llama, six_layer_gemma3])
+@pytest.mark.parametrize("options", [FIXED, dict(exit_layer=3, threshold=0.0, max_siblings=2, min_sibling_prob=0.0),
+                                     dict(FIXED, head_vocab=16)])
+def test_greedy_output_is_plain_decoding(make_model, options):
+    model = make_model()
+    for prompt in PROMPTS:
+        out, expected, stats, _ = _generate_both(model, prompt, options, max_new_tokens=30, do_sample=False)
+        assert torch.equal(out, expected)
+        assert stats.fallback_reason is None and stats.draft_tokens > 0
+
+
+def test_drafts_come_from_the_chosen_layers():
+    """With every layer and the full head, the draft is the target's own greedy continuation: all accepted."""
+    model = six_layer_llama()
+    out, expected, stats, drafter = _generate_both(model, PROMPTS[0], dict(layers=list(range(6)), threshold=0.0,
+                                                                          head_vocab=None, max_depth=4),
+                                                   max_new_tokens=21, do_sample=False)
+    assert torch.equal(out, expected)
+    assert stats.accepted_draft_tokens == stats.draft_tokens == 16  # 4 steps of 4, then the bonus tokens
+    assert stats.forward_passes == 5 and stats.tau == 21 / 5
+
+
+def test_weights_and_verified_cache_are_unchanged():
+    model = six_layer_llama()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    snapshots = []
+
+    class Checked(EarlyExitDrafter):
+        def _draft(self, request_id, pending, cache, cache_len, budget):
+            before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+            result = super()._draft(request_id, pending, cache, cache_len, budget)
+            snapshots.append(all(torch.equal(k, layer.keys) and torch.equal(v, layer.values)
+                                 for (k, v), layer in zip(before, cache.layers)))
+            return result
+
+    drafter = Checked(**FIXED)
+    freespec.patch(model, drafter=drafter)
+    model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=30, do_sample=False)
+    freespec.unpatch(model)
+    assert snapshots and all(snapshots)
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+# ------------------------------------------------------------------ sampling
+VOCAB = 8
+N = 2000
+GEN = dict(do_sample=True, temperature=0.9, top_k=6, top_p=0.95, repetition_penalty=1.2)
+
+
+def _exact(model, prompt, num_tokens):
+    """Exact distribution of the next ``num_tokens`` tokens under generate()'s processors (EOS ends early)."""
+    from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
+                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(GEN["repetition_penalty"]),
+                                      TemperatureLogitsWarper(GEN["temperature"]), TopKLogitsWarper(GEN["top_k"]),
+                                      TopPLogitsWarper(GEN["top_p"])])
+    out, frontier = {}, [((), 1.0)]
+    for depth in range(num_tokens):
+        grown = []
+        for path, prob in frontier:
+            ids = torch.tensor([prompt + list(path)])
+            with torch.no_grad():
+                logits = model(ids).logits[0, -1:].to(torch.float32)
+            probs = torch.softmax(processors(ids, logits), -1)[0].double().numpy()
+            for token in np.nonzero(probs)[0].tolist():
+                if token == model.config.eos_token_id or depth + 1 == num_tokens:
+                    out[path + (token,)] = prob * probs[token]
+                else:
+                    grown.append((path + (token,), prob * probs[token]))
+        frontier = grown
+    return out
+
+
+def _chi_square_p(counts: Counter, exact: dict) -> float:
+    cells, pooled_obs, pooled_exp = [], 0, 0.0
+    for key, prob in exact.items():
+        if prob * N < 5:
+            pooled_obs, pooled_exp = pooled_obs + counts.get(key, 0), pooled_exp + prob * N
+        else:
+            cells.append((counts.get(key, 0), prob * N))
+    if pooled_exp > 0:
+        cells.append((pooled_obs, pooled_exp))
+    stat, df = sum((o - e) ** 2 / e for o, e in cells), len(cells) - 1
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))  # Wilson-Hilferty
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.mark.parametrize("options", [
+    dict(layers=[0, 2, 3], threshold=1.0, max_siblings=3, min_sibling_prob=0.0),  # a root with siblings
+    dict(layers=[0, 3], threshold=0.0, max_depth=2),  # a chain of 2
+])
+def test_sampled_distribution_is_exact(options):
+    """Prompt of 3 tokens: the prefill already verifies a draft (depth <= 2 for 3 new tokens)."""
+    model = tiny_random_llama(vocab_size=VOCAB, seed=5, initializer_range=0.5, num_hidden_layers=4)
+    prompt, num_tokens = [0, 3, 5], 3 if options.get("max_depth") == 2 else 2
+    exact = _exact(model, prompt, num_tokens)
+    assert abs(sum(exact.values()) - 1) < 1e-6
+    freespec.patch(model, drafter="early_exit", drafter_options=dict(options, head_vocab=None))
+    torch.manual_seed(1234)
+    counts, drafted = Counter(), 0
+    try:
+        for _ in range(N):
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, **GEN)
+            counts[tuple(out[0, len(prompt):].tolist())] += 1
+            drafted += freespec.stats(model).draft_tokens
+    finally:
+        freespec.unpatch(model)
+    assert set(counts) <= set(exact) and drafted >= N
+    tv = 0.5 * sum(abs(counts.get(k, 0) / N - v) for k, v in exact.items())
+    assert tv < (0.1 if num_tokens == 2 else 0.15), f"total variation {tv:.3f}"
+    assert _chi_square_p(counts, exact) > 1e-3
+
+
+# ------------------------------------------------------------------ calibration
+def test_calibrates_from_output_then_reuses_the_cached_setting():
+    model = six_layer_gemma3()
+    out, expected, stats, drafter = _generate_both(model, PROMPTS[0], dict(calibration_tokens=20),
+                                                   max_new_tokens=40, do_sample=False)
+    assert torch.equal(out, expected)
+    setting = drafter.setting
+    assert setting is not None and stats.draft_tokens > 0  # calibrated after 20 tokens, then drafted
+    assert setting.calibration_tokens >= 20 and setting.predicted_speedup > 0 and 0 <= setting.agreement <= 1
+    assert setting.layers[0] == 0 and len(setting.layers) < 6 and setting.candidates
+    saved = json.loads(setting_path(drafter.calibration_key).read_text())
+    assert SelfDraftSetting.from_json(saved) == setting
+    again = EarlyExitDrafter(calibration_tokens=20)
+    freespec.patch(model, drafter=again)
+    freespec.unpatch(model)
+    assert again.setting == setting  # loaded at attach: no calibration needed
+
+
+def test_fixed_options_are_respected_by_calibration():
+    model = six_layer_llama()
+    drafter = EarlyExitDrafter(layers=[0, 1, 5], calibration_tokens=8)
+    freespec.patch(model, drafter=drafter)
+    model.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=20, do_sample=False)
+    freespec.unpatch(model)
+    assert drafter.setting.layers == (0, 1, 5) and drafter.setting.mode == "skip"
+
+
+def test_candidate_layer_sets_keep_first_and_last_layers():
+    importance = np.array([0.9, 0.1, 0.05, 0.2, 0.01, 0.3, 0.5, 0.8])
+    sets = candidate_layer_sets(8, importance)
+    assert ("exit", (0, 1, 2, 3)) in sets
+    skips = [layers for mode, layers in sets if mode == "skip"]
+    assert skips[0] == (0, 1, 2, 3, 5, 6, 7)  # 10% of 8 rounds to 1: the least important middle layer (4)
+    assert all(layers[0] == 0 and layers[-1] == 7 for layers in skips)
+
+
+def test_simulate_worked_example():
+    """Positions' top-1 probabilities 0.9, 0.9, 0.5 with hits, miss, hit (one sequence), threshold 0.8.
+
+    From 0: node (hit, 0.9), node (miss, 0.9), node (0.5 < 0.8: its sibling of 0.3 joins, the draft
+    stops): 3 passes, 4 nodes, 1 accepted. From 1: miss, then the low node and its sibling: 2 passes,
+    3 nodes, 0 accepted. From 2: the low node (hit) and its sibling: 1 pass, 2 nodes, 1 accepted.
+    """
+    forced = TeacherForced(np.array([[0.9, 0.05], [0.9, 0.05], [0.5, 0.3]]),
+                           np.array([[True, False], [False, True], [True, False]]), np.zeros(3, np.int64))
+    nodes, accepted, passes, steps = simulate(forced, 0.8, DraftRule(max_depth=8, max_siblings=1,
+                                                                     min_sibling_prob=0.1))
+    assert steps == 3 and (nodes, accepted, passes) == pytest.approx((3, 2 / 3, 2))
+    assert speedup(0.0, 0.0, 1.0, 0.5, np.ones(5)) == pytest.approx(1 / 1.5)
+
+
+def test_bad_options_and_use_without_a_model():
+    with pytest.raises(ValueError, match="not both"):
+        EarlyExitDrafter(layers=[0, 1], exit_layer=2)
+    with pytest.raises(ValueError, match="ascending"):
+        EarlyExitDrafter(layers=[2, 1])
+    with pytest.raises(ValueError, match="threshold"):
+        EarlyExitDrafter(threshold=1.5)
+    with pytest.raises(ValueError, match="exit_layer"):
+        make("early_exit", exit_layer=0)
+    with pytest.raises(ValueError, match="layer 9 does not exist"):
+        freespec.patch(six_layer_llama(), drafter="early_exit", drafter_options=dict(layers=[0, 9]))
+    drafter = EarlyExitDrafter()
+    drafter.start("r", [1, 2, 3])
+    with pytest.raises(ValueError, match="patch"):
+        drafter.propose("r", Budget(4, 4))
