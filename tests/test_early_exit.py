@@ -227,3 +227,27 @@ def test_bad_options_and_use_without_a_model():
     drafter.start("r", [1, 2, 3])
     with pytest.raises(ValueError, match="patch"):
         drafter.propose("r", Budget(4, 4))
+
+
+# ------------------------------------------------------------------ the gate (the mixture's)
+def test_gate_drafts_only_when_live_numbers_predict_a_gain():
+    from freespec.drafters.base import ForwardReport
+    from freespec.drafters.early_exit import PROBE_EVERY
+
+    drafter = EarlyExitDrafter(**FIXED)
+    freespec.patch(six_layer_llama(), drafter=drafter)
+    drafter.start("r", [1, 2, 3])
+    drafter.on_verified_cache("r", None, 2)
+    assert drafter.ready("r")
+    assert drafter.live_speedup() is None and drafter.worth_drafting("r")  # fixed, nothing measured: try it
+    drafter._use(SelfDraftSetting("skip", (0, 2, 4, 5), 0.3, draft_cost=0.5, mean_nodes=3.0, mean_accepted=2.5,
+                                  mean_passes=3.0, calibration_tokens=100))
+    for _ in range(8):
+        drafter.on_forward(ForwardReport(("r",), (1,), 0.010))
+        drafter.on_forward(ForwardReport(("r",), (4,), 0.011))
+    drafter.pass_seconds.extend([0.003] * 8)  # a pass costs 0.3 of a forward: 3.5 / (1.1 + 0.9) = 1.75
+    assert drafter.live_speedup() == pytest.approx(3.5 / (1.1 + 0.9)) and drafter.worth_drafting("r")
+    drafter.pass_seconds.extend([0.010] * 64)  # as much as a forward: 3.5 / (1.1 + 3) < 1
+    assert drafter.live_speedup() < 1
+    decisions = [drafter.worth_drafting("r") for _ in range(PROBE_EVERY)]
+    assert decisions == [False] * (PROBE_EVERY - 1) + [True]  # one probe per PROBE_EVERY refusals

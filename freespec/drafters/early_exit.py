@@ -58,7 +58,8 @@ import numpy as np
 
 from ..draft import Budget, Draft
 from ..tree import follow
-from .base import Drafter
+from .base import Drafter, ForwardReport
+from .calibration import CostModel
 from .options import check_bool, check_int, check_number
 from .self_draft_calibration import (THRESHOLDS, DraftRule, SelfDraftSetting, calibrate, draft_top, load_setting,
                                      save_setting)
@@ -68,6 +69,7 @@ logger = logging.getLogger("freespec")
 MAX_PENDING = 4  # a step feeds more uncached tokens only after a (re-)prefill: no draft then
 MAX_CALIBRATION_SEQUENCES = 4
 MAX_CALIBRATION_LEN = 512  # tokens per calibration sequence (the prompt is cut from the front)
+PROBE_EVERY = 64  # a gate that says no still lets one step in this many draft, to follow drift
 
 
 class EarlyExitDrafter(Drafter):
@@ -117,6 +119,9 @@ class EarlyExitDrafter(Drafter):
         self._extra: dict[Hashable, tuple[np.ndarray, object]] = {}  # request -> (context ids >= head_vocab, head)
         self._last: dict[Hashable, tuple[Draft, int]] = {}  # request -> (last draft, its passes)
         self._step_means: np.ndarray | None = None  # running (nodes, accepted, passes) per step
+        self.cost_model = CostModel()  # c(n) of the verify forward, measured live (``on_forward``)
+        self._one_token_s: deque[float] = deque(maxlen=64)  # recent 1-token forwards
+        self._gated_off = 0  # steps the gate refused since the last probe
 
     # ---------------------------------------------------------------- the model
     def attach_model(self, handle) -> None:
@@ -166,7 +171,9 @@ class EarlyExitDrafter(Drafter):
         if setting.layers[-1] >= self.handle.num_layers:
             raise ValueError(f"early_exit setting names layer {setting.layers[-1]} of a {self.handle.num_layers}-layer model")
         self.setting = setting
-        self._step_means = np.array([setting.mean_nodes, setting.mean_accepted, setting.mean_passes])
+        measured = setting.calibration_tokens > 0  # a setting the user fixed has no simulated step yet
+        self._step_means = (np.array([setting.mean_nodes, setting.mean_accepted, setting.mean_passes])
+                            if measured else None)
 
     # ---------------------------------------------------------------- lifecycle
     def on_verified_cache(self, request_id, cache, cache_len: int) -> None:
@@ -179,10 +186,11 @@ class EarlyExitDrafter(Drafter):
 
     def _on_extend(self, request_id, ids: np.ndarray) -> None:
         last = self._last.pop(request_id, None)
-        if last is not None and self._step_means is not None:
+        if last is not None:
             draft, passes = last
-            accepted = len(follow(draft.parents, draft.token_ids, ids))
-            self._step_means += (np.array([draft.num_nodes, accepted, passes]) - self._step_means) / 32
+            outcome = np.array([draft.num_nodes, len(follow(draft.parents, draft.token_ids, ids)), passes], float)
+            means = self._step_means
+            self._step_means = outcome if means is None else means + (outcome - means) / 32
         self._add_context_tokens(request_id, ids)
 
     def _on_stop(self, request_id) -> None:
@@ -193,13 +201,56 @@ class EarlyExitDrafter(Drafter):
             state.pop(request_id, None)
 
     # ---------------------------------------------------------------- live numbers (the mixture's gate)
+    def on_forward(self, report: ForwardReport) -> None:
+        """Verify forwards, timed like the mixture's c(k); 1-token ones give the unit a pass is measured in."""
+        if report.prefill or report.batch_size != 1:
+            return
+        self.cost_model.add(report.width, report.forward_s)
+        if report.width == 1:
+            self._one_token_s.append(report.forward_s)
+
     def expected_step(self) -> tuple[float, float, float] | None:
-        """Running means per drafted step: (nodes, accepted nodes, passes); None before calibration."""
+        """Running means per drafted step: (nodes, accepted nodes, passes), starting from the
+        calibration's simulation (or the first outcome); None before either."""
         return None if self._step_means is None else tuple(float(x) for x in self._step_means)
 
-    def pass_cost_s(self) -> float | None:
-        """Median wall seconds of a recent draft pass (None before any)."""
-        return float(np.median(self.pass_seconds)) if self.pass_seconds else None
+    def live_speedup(self) -> float | None:
+        """Predicted tokens per unit of time of a drafted step over an undrafted one, from live numbers.
+
+        ``(1 + accepted) / (c(1 + nodes) + passes * pass_s / one_token_s)``: the step
+        means from outcomes (the calibration's simulation until then), c from the
+        verify forwards seen, a pass's and a 1-token forward's median wall time
+        (the calibration's ratio until both are measured). None while nothing is known.
+        """
+        means = self.expected_step()
+        if means is None:
+            return None
+        nodes, accepted, passes = means
+        if self.pass_seconds and self._one_token_s:
+            pass_cost = float(np.median(self.pass_seconds)) / float(np.median(self._one_token_s))
+        else:
+            pass_cost = self.setting.draft_cost
+        return (1 + accepted) / (self.cost_model.cost(1 + nodes) + passes * pass_cost)
+
+    def worth_drafting(self, request_id) -> bool:
+        """Whether a draft for this request is predicted to gain (``live_speedup`` > 1), or probes.
+
+        Calibrates first when enough output was seen; a fixed setting with no outcome
+        yet drafts (to measure); every ``PROBE_EVERY`` refusals
+        one step drafts anyway, so the step means follow the text.
+        """
+        if self.setting is None and self.handle is not None:
+            self._calibrate_when_ready(request_id)
+        if not self.ready(request_id):
+            return False
+        speedup = self.live_speedup()
+        if speedup is None or speedup > 1.0:  # a setting the user fixed: draft until outcomes say
+            return True
+        self._gated_off += 1
+        if self._gated_off >= PROBE_EVERY:
+            self._gated_off = 0
+            return True
+        return False
 
     def ready(self, request_id) -> bool:
         """A model, a setting and the request's verified cache: ``propose`` can draft."""

@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import torch
 
 THRESHOLDS = (0.3, 0.5, 0.6, 0.7, 0.8, 0.9)
 SKIP_RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5)
@@ -153,6 +152,8 @@ def full_states(handle, sequences: Sequence[np.ndarray], prompt_lens: Sequence[i
 
 def layer_importance(handle, states_and_targets, prompt_lens) -> np.ndarray:
     """``1 - cos(h_in, h_out)`` of every layer, averaged over output positions. [N] float64."""
+    import torch
+
     total, count = np.zeros(handle.num_layers), 0
     for (states, _), prompt_len in zip(states_and_targets, prompt_lens):
         for i in range(handle.num_layers):
@@ -197,6 +198,8 @@ def teacher_forced(handle, states_and_targets, prompt_lens, layers: Sequence[int
 
 def draft_top(handle, hidden: torch.Tensor, heads, num_top: int) -> tuple[np.ndarray, np.ndarray]:
     """(probabilities [Q, num_top] float64, token ids [Q, num_top] int64) of the draft's best tokens."""
+    import torch
+
     logits = handle.logits(hidden, heads)
     probs = torch.softmax(logits, dim=-1)
     top = torch.topk(probs, k=min(num_top, probs.shape[-1]), dim=-1)
