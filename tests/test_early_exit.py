@@ -229,7 +229,30 @@ def test_bad_options_and_use_without_a_model():
         drafter.propose("r", Budget(4, 4))
 
 
-# ------------------------------------------------------------------ the gate (the mixture's)
+# ------------------------------------------------------------------ in the mixture
+def test_mixture_with_early_exit_is_plain_decoding():
+    model = six_layer_gemma3()
+    drafter = make("mixture", early_exit=True)
+    drafter.early_exit = EarlyExitDrafter(**FIXED)  # fixed setting: no calibration needed
+    assert drafter.needs_model and not make("mixture").needs_model
+    freespec.patch(model, drafter=drafter)
+    self_drafted = 0
+    try:
+        for prompt in PROMPTS:
+            expected = plain_generate(model, torch.tensor([prompt]), max_new_tokens=30, do_sample=False)
+            assert torch.equal(model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False), expected)
+            stats = freespec.stats(model).per_drafter.get("early_exit")
+            self_drafted += 0 if stats is None else stats.proposed
+    finally:
+        freespec.unpatch(model)
+    assert self_drafted > 0  # a fixed setting drafts until its outcomes are measured
+    with pytest.raises(ValueError, match=r"'mixture'.*'gpt2'"):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        freespec.patch(GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2)),
+                       drafter="mixture", drafter_options=dict(early_exit=True))
+
+
 def test_gate_drafts_only_when_live_numbers_predict_a_gain():
     from freespec.drafters.base import ForwardReport
     from freespec.drafters.early_exit import PROBE_EVERY

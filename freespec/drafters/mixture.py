@@ -31,6 +31,13 @@ Worked example: ``c(n) = 1 + 0.03 (n - 1)``, path probabilities
 ``[0.9, 0.8, 0.1, 0.02]``: k=0 gives 1.0, k=1 1.9/1.03=1.84, k=2 2.7/1.06=2.55,
 k=3 2.8/1.09=2.57, k=4 2.82/1.12=2.52, so three nodes are proposed.
 
+Self-drafting (``early_exit=True``, opt-in): where no lookup source yields a
+draft worth verifying, an ``EarlyExitDrafter`` drafts with the target's own
+layers, but only when its live numbers (the draft pass's measured cost, c(n)
+of the verify forwards, its acceptance per step) predict a gain over plain
+decoding (``EarlyExitDrafter.worth_drafting``). The mixture then needs the model
+(``needs_model``) and only architectures with a model handle can be patched.
+
 State across requests: the cost model (forward times) and the calibration
 counts (how often nodes of each kind were accepted) are numbers about the
 model and the machine and are shared; no token of one request is read by
@@ -48,6 +55,7 @@ from ..draft import Budget, Draft, merge
 from .base import Drafter, ForwardReport, exercise
 from .calibration import AcceptanceCalibrator, CostModel
 from .corpus import DocumentIndex, DocumentSource
+from .early_exit import EarlyExitDrafter
 from .ngram_table import NgramTableDrafter
 from .options import check_bool, check_int, check_number
 from .suffix import RequestHistory, SuffixSource, resolve_history
@@ -69,6 +77,7 @@ class MixtureDrafter(Drafter):
         ngram_shared: one table for all requests; ngram_observe_top_k: let it learn
         the target's top-k (costs ~2 ms and a top-k of the logits per step).
     prior_cost_slope: the cost model's prior, ``c(n) = 1 + slope (n - 1)``.
+    early_exit: self-draft with the target's own layers where lookup has nothing (see above).
     """
 
     name = "mixture"
@@ -78,7 +87,7 @@ class MixtureDrafter(Drafter):
                  max_occurrences: int = 64, history_tokens: int = 0, history_prompts: bool = False,
                  history: RequestHistory | None = None, documents: DocumentIndex | None = None,
                  ngram: bool = False, ngram_below: int = 3, ngram_shared: bool = False,
-                 ngram_observe_top_k: int = 0, prior_cost_slope: float = 0.03):
+                 ngram_observe_top_k: int = 0, prior_cost_slope: float = 0.03, early_exit: bool = False):
         super().__init__()
         self.adaptive = check_bool("adaptive", adaptive)
         history = resolve_history(history_tokens, history_prompts, history)
@@ -93,6 +102,8 @@ class MixtureDrafter(Drafter):
         self.cost_model = CostModel(prior_slope=check_number("prior_cost_slope", prior_cost_slope, 0.0))
         self.calibrator = AcceptanceCalibrator()
         self._last: dict[Hashable, tuple[Draft, list[tuple]]] = {}  # request -> last draft, each node's kind
+        self.early_exit = EarlyExitDrafter() if check_bool("early_exit", early_exit) else None
+        self.needs_model = early_exit
 
     @property
     def history(self) -> RequestHistory | None:
@@ -103,6 +114,8 @@ class MixtureDrafter(Drafter):
         self.suffix.start(request_id, self.context(request_id))
         if self.ngram is not None:
             self.ngram.start(request_id, self.context(request_id))
+        if self.early_exit is not None:
+            self.early_exit.start(request_id, self.context(request_id))
 
     def add_documents(self, request_id: Hashable, docs: Iterable, tokenizer=None) -> None:
         """Add documents (1-D token ids, or texts with ``tokenizer``) seen only by this request."""
@@ -116,6 +129,8 @@ class MixtureDrafter(Drafter):
         self.suffix.extend(request_id, ids)
         if self.ngram is not None:
             self.ngram.extend(request_id, ids)
+        if self.early_exit is not None:
+            self.early_exit.extend(request_id, ids)
 
     def observe(self, request_id, verify_output) -> None:
         if self.ngram is not None and self.ngram.observe_top_k:
@@ -127,11 +142,23 @@ class MixtureDrafter(Drafter):
         self.documents.stop(request_id)
         if self.ngram is not None:
             self.ngram.stop(request_id)
+        if self.early_exit is not None:
+            self.early_exit.stop(request_id)
 
     def on_forward(self, report: ForwardReport) -> None:
+        if self.early_exit is not None:
+            self.early_exit.on_forward(report)
         if report.prefill or report.batch_size != 1:  # a prefill's cost is the prompt's
             return
         self.cost_model.add(report.width, report.forward_s)
+
+    def attach_model(self, handle) -> None:
+        """The model handle, for the early-exit source (only called with ``early_exit=True``)."""
+        self.early_exit.attach_model(handle)
+
+    def on_verified_cache(self, request_id, cache, cache_len: int) -> None:
+        if self.early_exit is not None:
+            self.early_exit.on_verified_cache(request_id, cache, cache_len)
 
     # ---------------------------------------------------------------- learning
     def _learn_outcome(self, draft: Draft, kinds: list[tuple], committed: np.ndarray) -> None:
@@ -177,6 +204,12 @@ class MixtureDrafter(Drafter):
         return Draft(draft.token_ids, draft.parents, path_probs.astype(np.float32), (source,) * draft.num_nodes), kinds
 
     def _propose(self, request_id, budget: Budget) -> Draft:
+        draft = self._propose_lookup(request_id, budget)
+        if not draft.num_nodes and self.early_exit is not None and self.early_exit.worth_drafting(request_id):
+            return self.early_exit.propose(request_id, budget)
+        return draft
+
+    def _propose_lookup(self, request_id, budget: Budget) -> Draft:
         calibrated = [self._calibrated(*source) for source in self._source_drafts(request_id, budget)]
         if not calibrated:
             return Draft.empty()
