@@ -200,6 +200,11 @@ class ModelHandle:
     def dtype(self) -> torch.dtype:
         return self.head.weight.dtype
 
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (timing on an accelerator); a no-op on the CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def draft_cache(self, verified_cache=None, verified_len: int = 0) -> DraftCache:
         """A ``DraftCache`` over the engine's verified cache (or an empty one, for calibration)."""
         return DraftCache(verified_cache, verified_len)

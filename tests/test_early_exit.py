@@ -274,3 +274,20 @@ def test_gate_drafts_only_when_live_numbers_predict_a_gain():
     assert drafter.live_speedup() < 1
     decisions = [drafter.worth_drafting("r") for _ in range(PROBE_EVERY)]
     assert decisions == [False] * (PROBE_EVERY - 1) + [True]  # one probe per PROBE_EVERY refusals
+
+
+def test_gpu_check_runs_on_the_cpu(tmp_path):
+    """examples/gpu/early_exit_check.py --tiny --device cpu: calibration, break-even, live comparison."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "gpu" / "early_exit_check.py"
+    spec = importlib.util.spec_from_file_location("early_exit_check", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "check.json"
+    result = script.main(["--tiny", "--device", "cpu", "--dtype", "float32", "--prompts", "3",
+                          "--max-new-tokens", "12", "--out", str(out)])
+    assert json.loads(out.read_text())["methods"].keys() == {"vanilla", "early_exit", "mixture+early_exit"}
+    assert all(m["identical"] == "1/1" for m in result["methods"].values())  # 3 prompts, 2 calibrate
+    assert result["break_even_tau"] > 1 and 0 < result["reuse"]["saving"] < 1

@@ -207,7 +207,7 @@ def draft_top(handle, hidden: torch.Tensor, heads, num_top: int) -> tuple[np.nda
     return top.values.to(torch.float64).cpu().numpy(), ids.cpu().numpy()
 
 
-def measure_costs(handle, ids: np.ndarray, heads, repeats: int = 5) -> tuple[float, float, float, np.ndarray]:
+def measure_costs(handle, ids: np.ndarray, heads, repeats: int = 3) -> tuple[float, float, float, np.ndarray]:
     """(base, per-layer, draft-head seconds of a 1-token pass, c(k) at ``COST_SIZES``) on a cache of ``ids``.
 
     A pass through ``n`` layers costs ``base + n * per_layer + head``; c(k) is a
@@ -223,9 +223,11 @@ def measure_costs(handle, ids: np.ndarray, heads, repeats: int = 5) -> tuple[flo
 
     def timed(layers, num_tokens, draft_heads):
         draft_cache = handle.draft_cache(cache, len(ids))
+        handle.synchronize()
         t0 = time.perf_counter()
         hidden = handle.run(handle.embed(np.repeat(token, num_tokens)), layers, draft_cache)
         handle.logits(hidden[0], draft_heads)
+        handle.synchronize()
         return time.perf_counter() - t0
 
     rounds: dict[str, list[float]] = {}
