@@ -78,7 +78,8 @@ class EarlyExitDrafter(Drafter):
     layers: the layer indices a pass runs (ascending), fixing the ``skip`` mode's set;
     exit_layer: L, fixing the ``exit`` mode (layers 0..L-1); give at most one of them.
     threshold: keep drafting while the top-1 draft probability is >= this (None: calibrated).
-    max_depth: longest chain; max_siblings / min_sibling_prob: siblings where confidence is low.
+    max_depth: longest chain; max_siblings / min_sibling_prob: siblings where confidence is low
+        (the calibration chooses how many, up to max_siblings).
     head_vocab: draft over token ids below this plus the context's tokens (None: the full head).
     calibration_tokens: output tokens to calibrate on; cache_calibration: keep the result
         under ``$FREESPEC_CACHE/early_exit/`` and reuse it.
@@ -88,7 +89,7 @@ class EarlyExitDrafter(Drafter):
     needs_model = True
 
     def __init__(self, layers: Sequence[int] | None = None, exit_layer: int | None = None,
-                 threshold: float | None = None, max_depth: int = 8, max_siblings: int = 1,
+                 threshold: float | None = None, max_depth: int = 8, max_siblings: int = 3,
                  min_sibling_prob: float = 0.1, head_vocab: int | None = 32768, calibration_tokens: int = 128,
                  cache_calibration: bool = True):
         super().__init__()
@@ -134,7 +135,8 @@ class EarlyExitDrafter(Drafter):
                              f"{handle.num_layers} layers")
         self.handle, self.setting, self._base_head, self._extra = handle, None, None, {}
         if self.fixed_layers is not None and self.fixed_threshold is not None:
-            self._use(SelfDraftSetting(self.fixed_layers[0], self.fixed_layers[1], self.fixed_threshold))
+            self._use(SelfDraftSetting(self.fixed_layers[0], self.fixed_layers[1], self.fixed_threshold,
+                                       self.rule.max_siblings))
         elif self.cache_calibration:
             cached = load_setting(self.calibration_key)
             if cached is not None:
@@ -283,7 +285,7 @@ class EarlyExitDrafter(Drafter):
         for depth in range(max_depth):
             t0 = time.perf_counter()
             hidden = handle.run(handle.embed(feed), setting.layers, draft_cache)
-            probs, ids = draft_top(handle, hidden[0, -1:], heads, 1 + rule.max_siblings)
+            probs, ids = draft_top(handle, hidden[0, -1:], heads, 1 + setting.max_siblings)
             self.pass_seconds.append(time.perf_counter() - t0)
             passes += 1
             probs, ids = probs[0].tolist(), ids[0].tolist()

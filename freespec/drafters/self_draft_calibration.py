@@ -18,8 +18,9 @@ ids with their prompts) and:
 4. measures what a pass costs on this machine (``measure_costs``): a 1-token
    pass through ``n`` layers and the head, relative to a full 1-token forward
    (``r``), and a full forward over ``k`` tokens (``c(k)``);
-5. simulates the drafting rule (``simulate``) for every candidate and threshold
-   and keeps the one with the most tokens per unit of time.
+5. simulates the drafting rule (``simulate``) for every candidate, threshold and
+   number of siblings (up to the drafter's ``max_siblings``) and keeps the one
+   with the most tokens per unit of time.
 
 Worked example of the objective (``simulate``): a step drafts 3 tokens in 3
 passes of cost r = 0.5 and verifies 4 tokens at c(4) = 1.2; 2 drafts are
@@ -36,7 +37,7 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -54,7 +55,8 @@ class SelfDraftSetting:
 
     ``mode``: "skip" (middle layers skipped) or "exit" (the first L layers);
     ``layers``: ascending layer indices a pass runs; ``threshold``: a draft grows
-    while the draft's top-1 probability is at least this. The rest is what the
+    while the draft's top-1 probability is at least this; ``max_siblings``: where it
+    is below, this many next-best tokens may join as siblings. The rest is what the
     calibration measured (zeros when the user fixed the setting):
     ``agreement``: share of output positions where the draft's top-1 is the
     target's; ``draft_cost``: a 1-token pass over a full 1-token forward;
@@ -66,6 +68,7 @@ class SelfDraftSetting:
     mode: str
     layers: tuple[int, ...]
     threshold: float
+    max_siblings: int = 1
     agreement: float = 0.0
     draft_cost: float = 0.0
     verify_cost: tuple[float, ...] = ()
@@ -74,7 +77,7 @@ class SelfDraftSetting:
     mean_accepted: float = 0.0
     mean_passes: float = 0.0
     calibration_tokens: int = 0
-    candidates: tuple = field(default=(), compare=False)  # (mode, layers, threshold, speedup) per candidate
+    candidates: tuple = field(default=(), compare=False)  # (mode, layers, threshold, siblings, speedup, agreement)
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -96,7 +99,7 @@ class DraftRule:
     """How a draft grows (``EarlyExitDrafter``'s options): depth cap, siblings where confidence is low."""
 
     max_depth: int = 8
-    max_siblings: int = 1
+    max_siblings: int = 3
     min_sibling_prob: float = 0.1
 
 
@@ -207,41 +210,43 @@ def draft_top(handle, hidden: torch.Tensor, heads, num_top: int) -> tuple[np.nda
     return top.values.to(torch.float64).cpu().numpy(), ids.cpu().numpy()
 
 
-def measure_costs(handle, ids: np.ndarray, heads, repeats: int = 3) -> tuple[float, float, float, np.ndarray]:
-    """(base, per-layer, draft-head seconds of a 1-token pass, c(k) at ``COST_SIZES``) on a cache of ``ids``.
+def measure_costs(handle, ids: np.ndarray, heads, repeats: int = 5) -> tuple[float, float, np.ndarray]:
+    """(intercept, per-layer cost, c(k) at ``COST_SIZES``), in full 1-token forwards, on a cache of ``ids``.
 
-    A pass through ``n`` layers costs ``base + n * per_layer + head``; c(k) is a
-    full forward (all layers, full head) over ``k`` tokens over one over 1 token.
-    Rounds are interleaved and medians taken, so a load spike hits all alike.
+    A 1-token pass through ``n`` layers and the draft head costs ``intercept +
+    n * per_layer`` (a line fitted through passes of N/4, N/2, 3N/4 and N layers);
+    c(k) is a full forward (all layers, full head) over ``k`` tokens. Each round
+    times everything once and divides by its own 1-token forward; medians over
+    rounds are taken, so a load spike or drift hits every size alike.
     """
     from transformers import DynamicCache
 
     cache = DynamicCache()
     handle.run(handle.embed(ids), range(handle.num_layers), cache)
-    num_layers, half = handle.num_layers, max(1, handle.num_layers // 2)
+    num_layers = handle.num_layers
+    layer_counts = sorted({max(1, round(num_layers * f)) for f in (0.25, 0.5, 0.75, 1.0)})
     token = ids[-1:]
 
-    def timed(layers, num_tokens, draft_heads):
+    def timed(num_layers_run, num_tokens, draft_heads):
         draft_cache = handle.draft_cache(cache, len(ids))
         handle.synchronize()
         t0 = time.perf_counter()
-        hidden = handle.run(handle.embed(np.repeat(token, num_tokens)), layers, draft_cache)
+        hidden = handle.run(handle.embed(np.repeat(token, num_tokens)), range(num_layers_run), draft_cache)
         handle.logits(hidden[0], draft_heads)
         handle.synchronize()
         return time.perf_counter() - t0
 
-    rounds: dict[str, list[float]] = {}
-    for _ in range(repeats + 1):  # the first round warms up and is dropped
-        sample = {"all": timed(range(num_layers), 1, heads), "half": timed(range(half), 1, heads)}
-        sample.update({f"c{k}": timed(range(num_layers), k, None) for k in COST_SIZES})
-        for key, seconds in sample.items():
-            rounds.setdefault(key, []).append(seconds)
-    median = {key: float(np.median(values[1:])) for key, values in rounds.items()}
-    per_layer = max(0.0, (median["all"] - median["half"]) / (num_layers - half))
-    head_and_base = max(median["all"] - num_layers * per_layer, 0.0)
-    one_token = median["c1"]
-    verify = np.maximum.accumulate(np.array([median[f"c{k}"] / one_token for k in COST_SIZES]))
-    return head_and_base, per_layer, one_token, verify
+    passes, verify = [], []
+    for round_index in range(repeats + 1):  # the first round warms up and is dropped
+        full = [timed(num_layers, k, None) for k in COST_SIZES]
+        pass_s = [timed(n, 1, heads) for n in layer_counts]
+        if round_index:
+            passes.append(np.array(pass_s) / full[0])
+            verify.append(np.array(full) / full[0])
+    per_layer, intercept = np.polyfit(layer_counts, np.median(passes, axis=0), 1)
+    if len(layer_counts) < 2 or per_layer <= 0:  # a model too small (or a machine too noisy) for a slope
+        per_layer, intercept = float(np.median(passes, axis=0)[-1]) / num_layers, 0.0
+    return max(float(intercept), 0.0), float(per_layer), np.maximum.accumulate(np.median(verify, axis=0))
 
 
 def simulate(forced: TeacherForced, threshold: float, rule: DraftRule) -> tuple[float, float, float, int]:
@@ -302,22 +307,23 @@ def calibrate(handle, sequences: Sequence[np.ndarray], prompt_lens: Sequence[int
     states = full_states(handle, sequences, prompt_lens)
     if layer_sets is None:
         layer_sets = candidate_layer_sets(handle.num_layers, layer_importance(handle, states, prompt_lens))
-    base_s, per_layer_s, one_token_s, verify_cost = measure_costs(handle, max(sequences, key=len), heads)
+    intercept, per_layer, verify_cost = measure_costs(handle, max(sequences, key=len), heads)
     results = []
     for mode, layers in layer_sets:
         forced = teacher_forced(handle, states, prompt_lens, layers, heads, 1 + rule.max_siblings)
-        pass_cost = (base_s + len(layers) * per_layer_s) / one_token_s
+        pass_cost = intercept + len(layers) * per_layer
         for threshold in thresholds:
-            nodes, accepted, passes, steps = simulate(forced, threshold, rule)
-            results.append((speedup(nodes, accepted, passes, pass_cost, verify_cost), mode, layers, threshold,
-                            float(forced.hits[:, 0].mean()), pass_cost, nodes, accepted, passes, steps))
+            for siblings in range(rule.max_siblings + 1):
+                nodes, accepted, passes, steps = simulate(forced, threshold, replace(rule, max_siblings=siblings))
+                results.append((speedup(nodes, accepted, passes, pass_cost, verify_cost), mode, layers, threshold,
+                                siblings, float(forced.hits[:, 0].mean()), pass_cost, nodes, accepted, passes, steps))
     best = max(results, key=lambda r: r[0])
-    rate, mode, layers, threshold, agreement, pass_cost, nodes, accepted, passes, steps = best
+    rate, mode, layers, threshold, siblings, agreement, pass_cost, nodes, accepted, passes, steps = best
     per_candidate = {}
-    for r in results:  # the best threshold of each candidate
-        if r[2] not in per_candidate or r[0] > per_candidate[r[2]][3]:
-            per_candidate[r[2]] = (r[1], list(r[2]), r[3], round(r[0], 4), round(r[4], 4))
-    return SelfDraftSetting(mode, tuple(layers), float(threshold), agreement=agreement, draft_cost=pass_cost,
-                            verify_cost=tuple(float(c) for c in verify_cost), predicted_speedup=float(rate),
-                            mean_nodes=nodes, mean_accepted=accepted, mean_passes=passes,
-                            calibration_tokens=int(steps), candidates=tuple(per_candidate.values()))
+    for r in results:  # the best threshold and siblings of each candidate
+        if r[2] not in per_candidate or r[0] > per_candidate[r[2]][4]:
+            per_candidate[r[2]] = (r[1], list(r[2]), r[3], r[4], round(r[0], 4), round(r[5], 4))
+    return SelfDraftSetting(mode, tuple(layers), float(threshold), int(siblings), agreement=agreement,
+                            draft_cost=pass_cost, verify_cost=tuple(float(c) for c in verify_cost),
+                            predicted_speedup=float(rate), mean_nodes=nodes, mean_accepted=accepted,
+                            mean_passes=passes, calibration_tokens=int(steps), candidates=tuple(per_candidate.values()))
