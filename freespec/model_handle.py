@@ -231,7 +231,8 @@ class ModelHandle:
         ``run(embed(ids), range(num_layers), cache)`` is the host's own forward.
         """
         layers = list(layers)
-        if any(b <= a for a, b in zip(layers, layers[1:])) or (layers and not 0 <= layers[0] <= layers[-1] < self.num_layers):
+        ascending = all(a < b for a, b in zip(layers, layers[1:]))
+        if not ascending or (layers and not 0 <= layers[0] <= layers[-1] < self.num_layers):
             raise ValueError(f"layers must be ascending indices in [0, {self.num_layers}), got {layers}")
         num_new = int(hidden.shape[1])
         mask, position_ids = attention_inputs(self.traits, _NO_PARENTS, num_new, cache.get_seq_length(), self.device)

@@ -2,7 +2,6 @@
 verified cache untouched, calibration chosen from measurements and cached per model."""
 
 import json
-import math
 from collections import Counter
 
 import numpy as np
@@ -18,6 +17,7 @@ from freespec.drafters.self_draft_calibration import (DraftRule, SelfDraftSettin
 from freespec.models import tiny_random_gemma3, tiny_random_llama
 
 from conftest import plain_generate
+from test_sampling import _chi_square_p
 
 PROMPTS = [[3, 5, 7, 9, 11, 3, 5, 7], [20, 21, 22, 23, 20, 21], [40, 2, 90, 17]]
 FIXED = dict(layers=[0, 2, 4, 5], threshold=0.3)
@@ -121,20 +121,6 @@ def _exact(model, prompt, num_tokens):
     return out
 
 
-def _chi_square_p(counts: Counter, exact: dict) -> float:
-    cells, pooled_obs, pooled_exp = [], 0, 0.0
-    for key, prob in exact.items():
-        if prob * N < 5:
-            pooled_obs, pooled_exp = pooled_obs + counts.get(key, 0), pooled_exp + prob * N
-        else:
-            cells.append((counts.get(key, 0), prob * N))
-    if pooled_exp > 0:
-        cells.append((pooled_obs, pooled_exp))
-    stat, df = sum((o - e) ** 2 / e for o, e in cells), len(cells) - 1
-    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))  # Wilson-Hilferty
-    return 0.5 * math.erfc(z / math.sqrt(2))
-
-
 @pytest.mark.parametrize("options", [
     dict(layers=[0, 2, 3], threshold=1.0, max_siblings=3, min_sibling_prob=0.0),  # a root with siblings
     dict(layers=[0, 3], threshold=0.0, max_depth=2),  # a chain of 2
@@ -158,7 +144,7 @@ def test_sampled_distribution_is_exact(options):
     assert set(counts) <= set(exact) and drafted >= N
     tv = 0.5 * sum(abs(counts.get(k, 0) / N - v) for k, v in exact.items())
     assert tv < (0.1 if num_tokens == 2 else 0.15), f"total variation {tv:.3f}"
-    assert _chi_square_p(counts, exact) > 1e-3
+    assert _chi_square_p(counts, exact, N) > 1e-3
 
 
 # ------------------------------------------------------------------ calibration

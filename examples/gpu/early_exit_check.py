@@ -14,8 +14,10 @@ more tokens than they cost. The script:
 3. decodes the other prompts with plain ``generate()``, ``freespec:early_exit`` and
    ``mixture{early_exit=True}``, interleaved (the order alternates per prompt): tokens/s,
    tau (tokens per target forward), and whether greedy output is identical;
-4. measures what reusing the draft's entries below the first skipped layer in the
-   verify forward would save (the verify forward from that layer on, over the full one).
+4. measures the most that reusing the draft's entries below the first skipped layer in
+   the verify forward could save (the verify forward from that layer on, over the full
+   one). Only an upper bound: the draft's leaves (its last chain node and the siblings)
+   were never fed, and computing their states below that layer costs another pass.
 
 ``--tiny`` runs it on a small random Llama on any device (the test suite does, on
 the CPU). Nothing here changes freespec's behaviour: it only measures.
@@ -138,8 +140,10 @@ def main(argv=None) -> dict:
           f"{setting.mean_accepted:.2f} accepted -> tau {1 + setting.mean_accepted:.2f} vs break-even "
           f"{break_even:.2f}: predicted {setting.predicted_speedup:.2f}x")
     reuse = reuse_saving(drafter.handle, setting, calibration[0] + outputs[0], 1 + int(round(setting.mean_nodes)))
-    print(f"  reusing the draft's entries below layer {reuse['first_skipped_layer']} would save "
-          f"{100 * reuse['saving']:.0f}% of a {reuse['tokens']}-token verify forward")
+    print(f"  a {reuse['tokens']}-token verify forward from layer {reuse['first_skipped_layer']} on costs "
+          f"{100 * (1 - reuse['saving']):.0f}% of the full one: the most reusing the draft's entries below that "
+          f"layer could save (the last chain node and the siblings were never fed: they would need a pass "
+          f"through those layers first)")
 
     mixture = MixtureDrafter(early_exit=True)
     mixture.early_exit = drafter  # the calibrated one

@@ -33,10 +33,13 @@ cached per model (weights fingerprint and these options) under
 
 **KV.** A pass reads the verified cache in place through a ``DraftCache``
 (``model_handle.py``); its own entries live there and are dropped with it, so
-the verified cache is never written and never copied whole. The verify forward
-is the host model's own call and recomputes every layer for the accepted
-tokens: the entries a pass computed below its first skipped layer (exactly the
-target's) are not reused there.
+the verified cache is never written and never cloned (SWIFT drafts on a clone).
+Attention needs each run layer's keys as one tensor, so every layer a pass runs
+concatenates the verified entries with the pass's, as transformers'
+``DynamicCache`` does on every forward. The verify forward is the host model's
+own call and recomputes every layer for the accepted tokens: the entries a pass
+computed below its first skipped layer (exactly the target's) are not reused,
+since the host's forward cannot start from a layer's hidden states.
 
 **Head.** ``head_vocab=V'`` drafts from the head's rows for token ids below
 ``V'`` plus every token id in the request's context (FR-Spec-style: byte-level
@@ -48,7 +51,6 @@ verify forward keeps the full vocabulary: output is unchanged either way.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import time
 from collections import deque
@@ -146,7 +148,7 @@ class EarlyExitDrafter(Drafter):
     def calibration_key(self) -> str:
         """The cache file's name: the weights' fingerprint and every option the calibration depends on."""
         options = [self.fixed_layers, self.fixed_threshold, self.rule, self.head_vocab]
-        digest = hashlib.sha256(json.dumps(repr(options)).encode()).hexdigest()[:12]
+        digest = hashlib.sha256(repr(options).encode()).hexdigest()[:12]
         return f"{self.handle.fingerprint}-{digest}"
 
     def calibrate(self, sequences: Sequence, prompt_lens: Sequence[int]) -> SelfDraftSetting:
@@ -171,7 +173,8 @@ class EarlyExitDrafter(Drafter):
 
     def _use(self, setting: SelfDraftSetting) -> None:
         if setting.layers[-1] >= self.handle.num_layers:
-            raise ValueError(f"early_exit setting names layer {setting.layers[-1]} of a {self.handle.num_layers}-layer model")
+            raise ValueError(f"early_exit setting names layer {setting.layers[-1]} of a "
+                             f"{self.handle.num_layers}-layer model")
         self.setting = setting
         measured = setting.calibration_tokens > 0  # a setting the user fixed has no simulated step yet
         self._step_means = (np.array([setting.mean_nodes, setting.mean_accepted, setting.mean_passes])

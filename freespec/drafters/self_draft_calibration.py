@@ -185,7 +185,8 @@ def candidate_layer_sets(num_layers: int, importance: np.ndarray) -> list[tuple[
     return unique
 
 
-def teacher_forced(handle, states_and_targets, prompt_lens, layers: Sequence[int], heads, num_top: int) -> TeacherForced:
+def teacher_forced(handle, states_and_targets, prompt_lens, layers: Sequence[int], heads,
+                   num_top: int) -> TeacherForced:
     """The candidate ``layers``' draft at every output position, reusing the full states below the first skip."""
     layers = list(layers)
     first_skip = next((i for i, layer in enumerate(layers) if layer != i), len(layers))
