@@ -5,9 +5,17 @@
     out = model.generate(**inputs, max_new_tokens=256)
     freespec.stats(model)                    # SpecStats of the last call
     freespec.unpatch(model)
+
+What plain ``generate()`` lacks, each a hint that changes speed, never output::
+
+    model.generate(**inputs, documents=[...], tokenizer=tok)   # texts or token ids to draft from (RAG)
+    model.generate(**inputs, prediction=old_code, tokenizer=tok)  # the expected output (code edits)
+    with freespec.documents(docs, tokenizer=tok):              # documents for every generate() inside,
+        chain.invoke(question)                                 # e.g. a framework's (contextvars)
 """
 
 from .config import SpecConfig
+from .context import active_documents, documents
 from .draft import Budget, Draft, merge
 from .drafters import Drafter, VerifyOutput
 from .stats import DrafterStats, SpecStats
@@ -38,5 +46,5 @@ def stats(model) -> SpecStats:
 
 __all__ = [
     "Budget", "Draft", "Drafter", "DrafterStats", "SpecConfig", "SpecStats", "VerifyOutput",
-    "merge", "patch", "stats", "unpatch",
+    "active_documents", "documents", "merge", "patch", "stats", "unpatch",
 ]

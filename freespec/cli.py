@@ -2,7 +2,7 @@
 
     freespec bench --model smollm2-135m --dataset builtin:code-edit \\
         --methods vanilla,hf-pld,freespec,freespec:suffix{min_match=3} --limit 20 --out runs/code-edit
-    freespec replay runs/code-edit/traces.jsonl --drafters prompt_lookup,suffix
+    freespec replay runs/code-edit/traces.jsonl --drafters prompt_lookup,suffix --cost-curve runs/code-edit/results.json
 
 ``freespec bench`` sets ``OMP_WAIT_POLICY=PASSIVE`` before torch is imported
 unless the variable is already set: with OpenMP's default busy-waiting, threads
@@ -29,6 +29,8 @@ comma-separated methods (commas inside {...} do not split):
   freespec:NAME{k=v,...}   SpecConfig fields (max_draft_tokens, max_draft_depth, adaptive_budget)
                            configure the engine; other keys are drafter options,
                            e.g. freespec:suffix{min_match=3,max_draft_tokens=32}
+  freespec{prediction=true} also passes each item's prediction (builtin:code-edit: the
+                           code shown) as generate(prediction=...)
   arctic-suffix[{k=v,...}] Snowflake's SuffixDecoding drafter under freespec's verifier
                            (needs: pip install 'freespec[peers]')
 quote the list in a shell: --methods 'vanilla,freespec:suffix{min_match=3}'"""
@@ -37,14 +39,27 @@ quote the list in a shell: --methods 'vanilla,freespec:suffix{min_match=3}'"""
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="freespec", description="freespec: model-free speculative decoding")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_bench_parser(sub)
+    demo = sub.add_parser("demo", help="a real model generates with and without speculation, side by side",
+                          description="Load an offline model, generate greedily with plain generate() and with "
+                                      "freespec, print both outputs, whether they are identical, tokens/s and tau.")
+    demo.add_argument("--model", default="smollm2-135m", help="registered name or path (default: %(default)s)")
+    demo.add_argument("--prompt", help="the user message (default: a code-rewrite request)")
+    demo.add_argument("--max-new-tokens", type=int, default=160, help="(default: %(default)s)")
+    demo.add_argument("--drafter", help="drafter name (default: SpecConfig's default)")
+    _add_replay_parser(sub)
+    return parser
 
+
+def _add_bench_parser(sub) -> None:
     bench = sub.add_parser(
         "bench", formatter_class=argparse.RawDescriptionHelpFormatter,
         help="measure methods on the same prompts, interleaved, in one process",
         description="Run every method on the same prompts in one process, interleaved per prompt (ABAB/BABA), "
                     "after a warm-up; check greedy outputs are token-identical to vanilla; report tau, tokens/s, "
-                    "wall and CPU seconds and speedups per category. Sets OMP_WAIT_POLICY=PASSIVE unless it is "
-                    "already set.",
+                    "wall and CPU seconds and speedups per category, and the machine's cost curve c(k) (time of "
+                    "a forward feeding k tokens over a one-token forward). Sets OMP_WAIT_POLICY=PASSIVE unless "
+                    "it is already set.",
         epilog=METHODS_HELP)
     bench.add_argument("--model", required=True, help="registered name (freespec.models.available()) or a path")
     bench.add_argument("--dataset", required=True,
@@ -62,32 +77,34 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--allow-mismatch", action="store_true",
                        help="exit 0 even if a greedy output differs from vanilla (still reported)")
     bench.add_argument("--no-warmup", action="store_true", help="skip the warm-up generate() of each method")
+    bench.add_argument("--no-cost-probe", action="store_true",
+                       help="skip measuring the cost curve c(k) before the prompts (~20 s on smollm2-135m)")
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--out", required=True, help="output directory")
 
-    demo = sub.add_parser("demo", help="a real model generates with and without speculation, side by side",
-                          description="Load an offline model, generate greedily with plain generate() and with "
-                                      "freespec, print both outputs, whether they are identical, tokens/s and tau.")
-    demo.add_argument("--model", default="smollm2-135m", help="registered name or path (default: %(default)s)")
-    demo.add_argument("--prompt", help="the user message (default: a code-rewrite request)")
-    demo.add_argument("--max-new-tokens", type=int, default=160, help="(default: %(default)s)")
-    demo.add_argument("--drafter", help="drafter name (default: SpecConfig's default)")
 
+def _add_replay_parser(sub) -> None:
     replay = sub.add_parser(
         "replay", formatter_class=argparse.RawDescriptionHelpFormatter,
-        help="exact greedy tau of drafters from recorded outputs, without the model",
+        help="exact greedy tau of drafters from recorded outputs, and their speed on a simulated machine",
         description="Replay greedy outputs recorded by `freespec bench --save-traces` through drafters, with the "
                     "engine's budget logic: the exact tau generate() would measure, for drafters that do not "
-                    "read logits.",
+                    "read logits. With --cost-curve, also simulated tokens/s and speedup over plain decoding: "
+                    "each forward takes c(tokens fed) x the one-token time, plus the drafter's measured time.",
         epilog="drafters: NAME or NAME{k=v,...} (as freespec:NAME in bench), or arctic-suffix[{...}]; "
-               "e.g. --drafters 'prompt_lookup,suffix{min_match=3},arctic-suffix'")
+               "e.g. --drafters 'prompt_lookup,suffix{min_match=3},arctic-suffix'\n"
+               "cost curve: a results.json of freespec bench (its measured curve and one-token time), or k:c "
+               "pairs relative to k=1, e.g. --cost-curve 1:1,2:1.16,4:1.06,8:1.04,16:1.14,32:1.29,64:1.69")
     replay.add_argument("traces", help="traces.jsonl written by freespec bench --save-traces")
     replay.add_argument("--drafters", required=True, help="comma-separated drafter specs")
     replay.add_argument("--max-draft-tokens", type=int, help="default: SpecConfig's")
     replay.add_argument("--max-draft-depth", type=int, help="default: SpecConfig's")
+    replay.add_argument("--cost-curve", metavar="PATH|PAIRS",
+                        help="simulate a machine: a bench results.json or k:c pairs (see below)")
+    replay.add_argument("--one-token-ms", type=float, metavar="MS",
+                        help="time of a one-token forward (default: the results.json's, else 100)")
     replay.add_argument("--json", help="also write the full results to this JSON file")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,27 +138,12 @@ def demo_command(args) -> int:
 # ------------------------------------------------------------------------------ bench
 def bench_command(args, argv=None) -> int:
     omp_note = _set_omp_wait_policy()
-    from .bench.datasets import PLAIN_FORMAT_NOTE, has_chat_template, load_dataset
-    from .bench.methods import parse_methods
-
-    # everything that can be wrong with the arguments is checked before the model loads
-    methods = parse_methods(args.methods)
-    if args.temperature > 0 and args.save_traces:
-        raise ValueError("--save-traces records greedy outputs for replay: it needs --temperature 0")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
-    items = load_dataset(args.dataset, limit=args.limit, categories=categories)
+    methods, categories, items = _bench_inputs(args)  # every argument is checked before the model loads
 
     import torch
 
     from . import models
-    from .bench.environment import environment
-    from .bench.report import console_report, summarize, write_results, write_traces
+    from .bench.datasets import PLAIN_FORMAT_NOTE, has_chat_template
     from .bench.runner import run_bench
 
     if args.threads is not None:
@@ -155,6 +157,7 @@ def bench_command(args, argv=None) -> int:
     if not has_chat_template(tokenizer):
         notes.append(PLAIN_FORMAT_NOTE)
         print(f"note: {PLAIN_FORMAT_NOTE}")
+    cost_curve = None if args.no_cost_probe else _probe_costs(model)
     num_prompts = sum(len(item.turns) for item in items)
     print(f"{len(items)} items, {num_prompts} prompts, methods: {', '.join(m.label for m in methods)}; "
           f"{torch.get_num_threads()} threads", flush=True)
@@ -162,8 +165,48 @@ def bench_command(args, argv=None) -> int:
     run = run_bench(model, tokenizer, items, methods, max_new_tokens=args.max_new_tokens,
                     temperature=args.temperature, seed=args.seed, warmup=not args.no_warmup,
                     save_traces=args.save_traces, progress=not args.no_progress)
+    results = _bench_results(args, argv, methods, categories, run, notes, cost_curve)
+    return _write_bench_outputs(args, results, run)
+
+
+def _probe_costs(model) -> dict:
+    """The cost curve of this model, dtype and thread count, measured before the prompts."""
+    from .bench.cost import measure_cost_curve
+
+    print("measuring the cost curve c(k) (--no-cost-probe to skip) ...", flush=True)
+    cost_curve = measure_cost_curve(model)
+    print("c(k): " + ", ".join(f"{k}:{ratio:.2f}" for k, ratio in zip(cost_curve["sizes"], cost_curve["ratios"]))
+          + f" ({cost_curve['ms'][0]:.1f} ms at k=1; {cost_curve['seconds']:.1f} s)", flush=True)
+    return cost_curve
+
+
+def _bench_inputs(args):
+    """(methods, categories, items) from the arguments; anything wrong raises ``ValueError`` naming it."""
+    from .bench.datasets import load_dataset
+    from .bench.methods import parse_methods
+
+    methods = parse_methods(args.methods)
+    if args.temperature > 0 and args.save_traces:
+        raise ValueError("--save-traces records greedy outputs for replay: it needs --temperature 0")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    return methods, categories, load_dataset(args.dataset, limit=args.limit, categories=categories)
+
+
+def _bench_results(args, argv, methods, categories, run, notes: list[str], cost_curve: dict | None) -> dict:
+    """What results.json holds."""
+    import torch
+
+    from .bench.environment import environment
+    from .bench.report import summarize
+
     labels = [m.label for m in methods if m.label not in run.unavailable]
-    results = {
+    return {
         "config": {"model": args.model, "dataset": args.dataset, "methods": [m.label for m in methods],
                    "limit": args.limit, "categories": categories, "max_new_tokens": args.max_new_tokens,
                    "dtype": args.dtype, "temperature": args.temperature, "seed": args.seed,
@@ -175,11 +218,19 @@ def bench_command(args, argv=None) -> int:
         "mismatches": run.mismatches,
         "notes": notes + run.notes,
         "summary": summarize(run.prompts, labels),
+        "cost_curve": cost_curve,
         "prompts": run.prompts,
     }
+
+
+def _write_bench_outputs(args, results: dict, run) -> int:
+    """Write the result files and print the report; the exit code."""
+    from .bench.jsonl import write_jsonl
+    from .bench.report import console_report, write_results
+
     written = write_results(results, args.out, plots=not args.no_plots)
     if args.save_traces:
-        written.append(write_traces(run.traces, os.path.join(args.out, "traces.jsonl")))
+        written.append(write_jsonl(run.traces, os.path.join(args.out, "traces.jsonl")))
     print()
     print(console_report(results))
     print()
@@ -203,68 +254,82 @@ def _set_omp_wait_policy() -> str:
 
 
 # ------------------------------------------------------------------------------ replay
-def parse_drafter_specs(text: str):
-    """``"prompt_lookup,suffix{min_match=3},arctic-suffix"`` -> [(label, MethodSpec), ...]."""
-    from .bench.methods import parse_method, split_methods
-
-    out = []
-    for part in split_methods(text):
-        label = "".join(part.split())
-        if label.startswith(("freespec", "arctic-suffix")):
-            method = parse_method(label)
-        else:
-            method = parse_method("freespec:" + label)
-        if method.kind not in ("freespec", "arctic-suffix"):
-            raise ValueError(f"{part!r} is not a drafter")
-        out.append((label, method))
-    labels = [label for label, _ in out]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"a drafter is listed twice in {text!r}")
-    return out
-
-
 def replay_command(args) -> int:
+    import dataclasses
     import json
+    import math
 
-    from .bench.methods import make_config, make_drafter
-    from .bench.replay import format_replay_table, load_traces, replay_tau
+    from .bench.cost import CostCurve
+    from .bench.methods import parse_drafters
+    from .bench.replay import load_traces
 
-    specs = parse_drafter_specs(args.drafters)
+    if args.one_token_ms is not None:
+        if args.cost_curve is None:
+            raise ValueError("--one-token-ms scales a cost curve: it needs --cost-curve")
+        if not (math.isfinite(args.one_token_ms) and args.one_token_ms > 0):
+            raise ValueError(f"--one-token-ms must be a positive number of milliseconds, got {args.one_token_ms}")
+    methods = parse_drafters(args.drafters)
+    cost = CostCurve.load(args.cost_curve, "--cost-curve", args.one_token_ms) if args.cost_curve else None
     traces = load_traces(args.traces)
+    results, skipped = _replay_all(args, methods, traces, cost)
+    _print_replay(args, traces, cost, results, skipped)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"traces": args.traces, "cost_curve": dataclasses.asdict(cost) if cost else None,
+                       "results": results, "skipped": skipped}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0 if results else EXIT_BAD_INPUT
+
+
+def _replay_all(args, methods, traces, cost) -> tuple[dict, dict]:
+    """``({label: replay_tau result}, {label: why it was not replayed})``."""
+    from .bench.methods import make_config, make_drafter
+    from .bench.replay import replay_tau
+
     results, skipped = {}, {}
-    for label, method in specs:
-        config = make_config(method)
+    for method in methods:
+        label = method.label
         overrides = {}
         if args.max_draft_tokens is not None and "max_draft_tokens" not in method.spec_options:
             overrides["max_draft_tokens"] = args.max_draft_tokens
         if args.max_draft_depth is not None and "max_draft_depth" not in method.spec_options:
             overrides["max_draft_depth"] = args.max_draft_depth
-        config = config.replace(**overrides)
+        config = make_config(method).replace(**overrides)
         try:
             make_drafter(method)  # fail early (e.g. arctic-inference missing) before replaying others
         except ImportError as exc:
             skipped[label] = str(exc)
             print(f"!!! {label} NOT REPLAYED: {exc}", file=sys.stderr)
             continue
-        results[label] = replay_tau(traces, lambda m=method: make_drafter(m), config)
+        results[label] = replay_tau(traces, lambda m=method: make_drafter(m), config, cost)
         results[label]["config"] = {"max_draft_tokens": config.max_draft_tokens,
                                     "max_draft_depth": config.max_draft_depth}
-    print(f"{len(traces)} traces from {args.traces}; greedy tau (new tokens per target forward, prefill included)")
-    if results:
-        print(format_replay_table(results))
-    print("exact for drafters that do not read logits; the budget is fixed (no cost model): "
+    return results, skipped
+
+
+def _print_replay(args, traces, cost, results: dict, skipped: dict) -> None:
+    from .bench.replay import REPLAY_METRICS, format_replay_table
+
+    print(f"{len(traces)} traces from {args.traces}")
+    metrics = ["tau", "tokens_per_s", "speedup"] if cost is not None else ["tau"]
+    for metric in metrics if results else []:
+        print(f"\n{REPLAY_METRICS[metric][0]}")
+        print(format_replay_table(results, metric))
+    print("\ntau is exact for drafters that do not read logits; budget caps: "
           + ", ".join(f"{label}: {r['config']['max_draft_tokens']} nodes, depth {r['config']['max_draft_depth']}"
                       for label, r in results.items()))
+    if cost is not None:
+        print(f"times are SIMULATED, not measured: each forward takes c(tokens fed) x one-token time, from "
+              f"{cost.describe()}; c is linear between points and continues along its last segment past "
+              f"k={cost.sizes[-1]}; drafters receive these times in on_forward, and their own calls' wall time "
+              f"(measured here) is added")
+    else:
+        print("no --cost-curve: tau only (give a bench results.json or k:c pairs for simulated tokens/s)")
     for label, result in results.items():
         for note in result["notes"]:
             print(f"note: {label}: {note}")
     for label, why in skipped.items():
         print(f"!!! {label} NOT REPLAYED: {why}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"traces": args.traces, "results": results, "skipped": skipped}, f, indent=1)
-        print(f"wrote {args.json}")
-    return 0 if results else EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

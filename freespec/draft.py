@@ -45,14 +45,17 @@ class Budget:
     ``num_nodes``: at most this many tree nodes (the root not counted).
     ``max_depth``: no path longer than this (tokens left before max_length,
     minus the bonus token the verifier always adds).
+    ``batch_size``: how many rows share the forward (each with its own tree):
+    a drafter that sizes trees by cost prices a node at that batch size.
     """
 
     num_nodes: int
     max_depth: int
+    batch_size: int = 1
 
     def __post_init__(self):
-        if self.num_nodes < 0 or self.max_depth < 0:
-            raise ValueError(f"Budget needs num_nodes >= 0 and max_depth >= 0, got {self}")
+        if self.num_nodes < 0 or self.max_depth < 0 or self.batch_size < 1:
+            raise ValueError(f"Budget needs num_nodes >= 0, max_depth >= 0 and batch_size >= 1, got {self}")
 
 
 @dataclass(frozen=True)

@@ -1,26 +1,30 @@
 """The decode loop: propose, forward, accept, commit, until a stopping criterion says stop.
 
-The engine owns the model call, the KV cache and the position. Every forward
-feeds the *pending* tokens (committed, not yet cached: the prompt at prefill,
-the last bonus token afterwards) followed by a draft tree hung under the last
-pending token, so even the prefill verifies a draft proposed from the prompt.
-After verification the cache keeps the pending tokens and the accepted nodes
-(moved next to each other), and the bonus token becomes the next pending one::
+The engine owns the model call, the KV cache and the positions. Every forward
+feeds, for every row of the batch, the *pending* tokens (committed, not yet
+cached: the prompt at prefill, the last bonus token afterwards) followed by a
+draft tree hung under the last pending token, so even the prefill verifies a
+draft proposed from the prompt. After verification each row's cache keeps its
+pending tokens and accepted nodes (moved next to each other, ``batch.KVLayout``),
+and its bonus token becomes its next pending one::
 
     cache [c0..cL) + pending [p] + tree [a b c d]   accepted a, c; bonus y
     -> cache [c0..cL, p, a, c]                         pending [y]
 
 One step, as ``SpeculativeDecoder.generate`` runs it::
 
-    draft  = propose(state)               # drafter -> Draft within the step's budget
-    logits = forward(state, draft)        # tree_forward: mask + positions + one model call
-    accept = accept(state, draft, logits) # verify.accept_tree on the processed scores
-    commit(state, draft, logits, accept)  # compact_cache, stopping criteria, streamer, drafter
+    drafts = propose(rows)                 # each row's drafter -> a Draft within its budget
+    logits = forward(rows, drafts)         # forward_rows: masks + positions + one model call
+    accept = accept(row, draft, logits)    # per row: verify.accept_tree on the processed scores
+    commit(rows, ...)                      # KVLayout.compact, streamer, drafter.observe / extend
 
-Drafter hooks: ``on_verified_cache`` gets the request's verified cache before
-each ``propose`` (model drafters draft against it); ``on_forward`` gets every
-forward's ``ForwardReport``; ``observe`` the target's top-k at every fed node
-(``observe_top_k``).
+A row that finishes leaves the batch (its cache rows are dropped), so it stops
+costing compute; a batch of one is the same loop.
+
+Drafter hooks: ``on_verified_cache`` gets, for model drafters, each row's own
+verified cache (``KVLayout.row_view``) before its ``propose``; ``on_forward``
+gets every forward's ``ForwardReport``; ``observe`` the target's top-k at every
+fed node (``observe_top_k``).
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ import torch
 
 from .config import SpecConfig
 from .draft import Budget, Draft
+from .batch import KVLayout, RowStep, _move_and_crop
 from .drafters.base import ForwardReport, VerifyOutput
 from .stats import SpecStats
-from .tree import tree_attention
 from .verify import Acceptance, accept_tree
 
 _request_ids = itertools.count()
@@ -78,6 +82,7 @@ class ModelTraits:
     rope_dynamic_limit: int | None = None  # dynamic RoPE: drafts only while the forward stays below
     rope_long_limit: int | None = None  # LongRoPE: a forward must not cross it with draft nodes
     asks_model_for_cache: bool = False  # the model's prepare_inputs_for_generation may drop the cache
+    takes_logits_to_keep: bool = True  # forward(logits_to_keep=) exists (not on Bloom, MPT, ... in transformers 4.57)
 
     @property
     def no_windows(self) -> bool:
@@ -107,13 +112,16 @@ class ModelTraits:
                 f"attention implementation {impl!r} (supported: 'sdpa', 'eager'; load with attn_implementation='sdpa')"
             )
         params = inspect.signature(model.forward).parameters
+        if "cache" not in params and "past_key_values" not in params:  # e.g. Mamba's cache_params (4.57)
+            raise UnsupportedForSpeculation(f"{type(model).__name__}.forward takes no KV cache (cache= or "
+                                            f"past_key_values=): only attention models are supported")
         cache_kwarg = "cache" if "cache" in params else "past_key_values"
         windows, per_type = _layer_windows(config)
         dynamic_limit, long_limit = _rope_limits(model)
         return cls(cache_kwarg, impl == "eager", model.dtype, windows, per_type,
                    vocab_size=int(model.get_input_embeddings().num_embeddings), chains_only=uses_alibi(config),
                    rope_dynamic_limit=dynamic_limit, rope_long_limit=long_limit,
-                   asks_model_for_cache=long_limit is not None)
+                   asks_model_for_cache=long_limit is not None, takes_logits_to_keep="logits_to_keep" in params)
 
 
 def _layer_windows(config) -> tuple[dict[str, int | None], bool]:
@@ -171,89 +179,81 @@ def make_cache():
     return DynamicCache()
 
 
-def attention_inputs(traits: ModelTraits, parents: np.ndarray, num_pending: int, cache_len: int, device):
-    """(attention_mask for the host model, position_ids [1, Q]) of one tree forward.
+def forward_rows(model, traits: ModelTraits, cache, layout: KVLayout, rows: list[RowStep],
+                 pad_token_id: int = 0) -> torch.Tensor:
+    """One forward over ``rows`` (equal numbers of pending tokens) on top of ``layout``'s cache.
 
-    The mask is a dict ``{layer_type: [1, 1, Q, cache_len + Q]}`` for models with
-    several layer types (Gemma 3), else one tensor; boolean for sdpa, additive
-    (0 / finfo.min) for eager. One pending token and no draft on a model without
-    sliding windows needs no mask at all: ``None``, the host's plain decode path; so
-    does a chain on an ALiBi model (``traits.chains_only``).
+    Returns float32 logits ``[B, 1 + max n, V]``: row r's last pending token at
+    index 0 and its draft node i at index 1 + i. The cache grows by the forward's
+    width W for every row (``KVLayout.compact`` keeps what verification accepts).
     """
-    if traits.chains_only or (parents.shape[0] == 0 and num_pending == 1 and traits.no_windows):
-        # the plain causal mask: ALiBi models verify chains only, where it is the tree's mask
-        return None, torch.arange(cache_len, cache_len + num_pending + parents.shape[0], device=device)[None]
-    masks = {}
-    for layer_type, window in traits.layer_windows.items():
-        allowed, position_ids = tree_attention(parents, num_pending, cache_len, window)
-        allowed = torch.from_numpy(allowed).to(device)[None, None]
-        if traits.additive_mask:
-            mask = torch.zeros(allowed.shape, dtype=traits.mask_dtype, device=device)
-            masks[layer_type] = mask.masked_fill_(~allowed, torch.finfo(traits.mask_dtype).min)
-        else:
-            masks[layer_type] = allowed
-    mask = masks if traits.per_layer_type_masks and len(masks) > 1 else next(iter(masks.values()))
-    return mask, torch.from_numpy(position_ids).to(device)[None]
+    device = model.device
+    num_pending = len(rows[0].pending)
+    if any(len(row.pending) != num_pending for row in rows):
+        raise ValueError("rows of one forward must have equal numbers of pending tokens")
+    input_ids, mask, position_ids = layout.inputs(traits, rows, pad_token_id, device)
+    width = input_ids.shape[1]
+    single = len(rows) == 1 and not layout.ragged
+    if single and (traits.chains_only or (rows[0].num_fed == 1 and traits.no_windows)):
+        mask = None  # the causal mask: a plain decode step, or a chain on an ALiBi model
+    keep = width - num_pending + 1
+    out = model(
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=position_ids,
+        cache_position=torch.arange(layout.length, layout.length + width, device=device),
+        use_cache=True,
+        **({"logits_to_keep": keep} if traits.takes_logits_to_keep else {}),
+        **{traits.cache_kwarg: cache},
+    )
+    return out.logits[:, -keep:].to(dtype=torch.float32)
 
 
 def tree_forward(model, traits: ModelTraits, cache, cache_len: int, pending: list[int], draft: Draft) -> torch.Tensor:
-    """Run pending + draft on top of ``cache_len`` cached tokens.
+    """One row's forward: pending + draft on top of ``cache_len`` cached tokens (positions 0..).
 
     Returns float32 logits of the last pending token (row 0) and of every draft
     node (row i + 1), ``[n + 1, V]``; the cache grows by ``len(pending) + n`` entries.
     """
-    device = model.device
-    input_ids = torch.tensor([pending + draft.token_ids.tolist()], dtype=torch.long, device=device)
-    attention_mask, position_ids = attention_inputs(traits, draft.parents, len(pending), cache_len, device)
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        cache_position=torch.arange(cache_len, cache_len + input_ids.shape[1], device=device),
-        use_cache=True,
-        logits_to_keep=draft.num_nodes + 1,
-        **{traits.cache_kwarg: cache},
-    )
-    return out.logits[0, -(draft.num_nodes + 1):].to(dtype=torch.float32)
+    layout = KVLayout.of_text(cache_len)
+    row = RowStep(list(pending), np.arange(cache_len, cache_len + len(pending), dtype=np.int64), draft)
+    return forward_rows(model, traits, cache, layout, [row])[0, : draft.num_nodes + 1]
 
 
 def compact_cache(cache, keep_len: int, accepted_nodes: list[int]) -> None:
-    """Keep ``keep_len`` entries plus the accepted nodes' entries, moved right after them.
+    """One row's cache: keep ``keep_len`` entries plus the accepted nodes' entries, moved right after them.
 
     ``keep_len=3, accepted_nodes=[1, 3]``: entries ``[0, 1, 2, 3+1, 3+3]`` remain, in that order.
     """
-    src = torch.tensor([keep_len + i for i in accepted_nodes], dtype=torch.long)
-    new_len = keep_len + len(accepted_nodes)
-    for layer in cache.layers:
-        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
-            continue
-        if src.numel():
-            idx = src.to(layer.keys.device)
-            layer.keys[..., keep_len:new_len, :] = layer.keys[..., idx, :]
-            layer.values[..., keep_len:new_len, :] = layer.values[..., idx, :]
-        layer.keys = layer.keys[..., :new_len, :]
-        layer.values = layer.values[..., :new_len, :]
+    src = [keep_len + i for i in accepted_nodes]
+    _move_and_crop(cache, [0] * len(src), src, list(range(keep_len, keep_len + len(src))), keep_len + len(src))
 
 
 @dataclass
-class DecodeState:
-    """One request's decode: what is committed, cached and pending, and what to return."""
+class Row:
+    """One row's decode: what is committed and pending, what to return, and its drafter request."""
 
     request_id: tuple
-    sequence: list[int]  # committed tokens: prompt + output
+    sequence: list[int]  # committed tokens: the (left-padded) prompt + output, what criteria and processors see
+    num_pads: int  # left pads of the prompt
     pending: list[int]  # committed, not yet cached
+    pending_positions: np.ndarray  # [len(pending)] logical positions (-1: a pad)
     max_length: int
-    cache: object = field(default_factory=make_cache)
-    cache_len: int = 0
     done: bool = False
     out_scores: list[torch.Tensor] = field(default_factory=list)  # [1, V] processed, per new token
     out_logits: list[torch.Tensor] = field(default_factory=list)  # [1, V] raw, per new token
 
+    @property
+    def num_committed(self) -> int:
+        """Real tokens committed (pads not counted): the logical position of the next token."""
+        return len(self.sequence) - self.num_pads
+
 
 class SpeculativeDecoder:
-    """One generate() call for a batch of one row.
+    """One generate() call: a batch of left-padded rows, each with its own drafter request.
 
-    ``generate`` returns (sequences [1, L], scores per new token, raw logits per new token, cache).
+    ``generate`` returns (sequences [B, L], scores per new token, raw logits per new token, cache);
+    scores, logits and the cache are for a batch of one (a batch returns ``[], [], None``).
     """
 
     def __init__(self, model, drafter, config: SpecConfig, stats: SpecStats, traits: ModelTraits):
@@ -265,39 +265,75 @@ class SpeculativeDecoder:
         self.device = model.device
 
     def generate(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None,
-                 documents=None, tokenizer=None):
-        """Decode one row. ``documents``: token-id arrays or texts (with ``tokenizer``) the drafter
-        may draft from this request (RAG passages, files being edited)."""
+                 documents=None, tokenizer=None, attention_mask=None, predictions=None):
+        """Decode every row. ``attention_mask`` [B, L]: left padding (zeros first), or None for none.
+        ``documents``: token-id arrays or texts (with ``tokenizer``) every row's drafter may draft from.
+        ``predictions``: per row, token ids of the output the caller expects (a hint, e.g. the file being
+        edited), or None; None for none."""
         self.logits_processor, self.stopping_criteria, self.streamer = logits_processor, stopping_criteria, streamer
         self.do_sample = bool(generation_config.do_sample)
         self.want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
         self.want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
+        self.pad_token_id = _pad_token_id(generation_config)
         t_start = time.perf_counter()
-        prompt = input_ids[0].tolist()
-        state = DecodeState(("freespec", next(_request_ids)), list(prompt), list(prompt),
-                            int(generation_config.max_length))
-        state.done = len(state.sequence) >= state.max_length
-        self.stats.prompt_tokens = len(prompt)
+        rows = self._rows(input_ids, attention_mask, int(generation_config.max_length))
+        self.stats.prompt_tokens = sum(row.num_committed for row in rows)
+        started: list[Row] = []
+        cache, layout = make_cache(), KVLayout(len(rows))
         try:
-            self._timed_draft(self._start, state, documents, tokenizer)
-            while not state.done:
-                self._follow_model_cache_policy(state)
-                draft = self._timed_draft(self._propose, state)
+            for r, row in enumerate(rows):
+                prediction = None if predictions is None else predictions[r]
+                self._timed_draft(self._start, row, documents, tokenizer, prediction)
+                started.append(row)
+            active = [row for row in rows if not row.done]
+            while active:
+                self._follow_model_cache_policy(active, cache, layout)
+                steps = [RowStep(row.pending, row.pending_positions,
+                                 self._timed_draft(self._propose, row, len(active), cache, layout, r))
+                         for r, row in enumerate(active)]
                 t0 = time.perf_counter()
-                logits = self._forward(state, draft)
-                acceptance = self._accept(state, draft, logits)
-                compact_cache(state.cache, state.cache_len, acceptance.cached_nodes)
-                state.cache_len += len(acceptance.cached_nodes)
+                logits = self._forward(active, steps, cache, layout)
+                acceptances = [self._accept(row, step.draft, logits[r]) for r, (row, step) in enumerate(zip(active, steps))]
+                layout.compact(cache, steps, [acceptance.cached_nodes for acceptance in acceptances])
                 self.stats.verify_s += time.perf_counter() - t0
-                committed = self._commit(state, draft, logits, acceptance)
-                self._timed_draft(self._learn, state, draft, logits, acceptance, committed)
+                for r, (row, step, acceptance) in enumerate(zip(active, steps, acceptances)):
+                    committed = self._commit(row, step.draft, logits[r], acceptance)
+                    self._timed_draft(self._learn, row, step.draft, logits[r], acceptance, committed)
+                active = self._drop_finished(active, cache, layout)
         finally:
-            self.drafter.stop(state.request_id)
+            for row in started:
+                self.drafter.stop(row.request_id)
             if streamer is not None:
                 streamer.end()
             self.stats.total_s = time.perf_counter() - t_start
-        sequences = torch.tensor([state.sequence], dtype=input_ids.dtype, device=input_ids.device)
-        return sequences, state.out_scores, state.out_logits, state.cache
+        return self._outputs(rows, input_ids, cache)
+
+    # ------------------------------------------------------------ setup and teardown
+    def _rows(self, input_ids, attention_mask, max_length: int) -> list[Row]:
+        rows = []
+        for b, ids in enumerate(input_ids.tolist()):
+            num_pads = 0 if attention_mask is None else int((attention_mask[b] == 0).sum())
+            positions = np.concatenate([np.full(num_pads, -1), np.arange(len(ids) - num_pads)]).astype(np.int64)
+            row = Row(("freespec", next(_request_ids)), list(ids), num_pads, list(ids), positions, max_length)
+            row.done = len(row.sequence) >= max_length
+            rows.append(row)
+        return rows
+
+    def _drop_finished(self, active: list[Row], cache, layout: KVLayout) -> list[Row]:
+        keep = [r for r, row in enumerate(active) if not row.done]
+        if len(keep) < len(active):
+            layout.drop_rows(cache, keep)
+        return [active[r] for r in keep]
+
+    def _outputs(self, rows: list[Row], input_ids, cache):
+        """Sequences right-padded with the pad token, as plain batched decoding pads finished rows."""
+        length = max(len(row.sequence) for row in rows)
+        sequences = torch.full((len(rows), length), self.pad_token_id, dtype=input_ids.dtype)
+        for r, row in enumerate(rows):
+            sequences[r, : len(row.sequence)] = torch.tensor(row.sequence, dtype=input_ids.dtype)
+        if len(rows) > 1:
+            return sequences.to(input_ids.device), [], [], None
+        return sequences.to(input_ids.device), rows[0].out_scores, rows[0].out_logits, cache
 
     # ------------------------------------------------------------ steps
     def _timed_draft(self, step, *args):
@@ -307,74 +343,84 @@ class SpeculativeDecoder:
         finally:
             self.stats.draft_s += time.perf_counter() - t0
 
-    def _start(self, state: DecodeState, documents, tokenizer) -> None:
-        self.drafter.start(state.request_id, np.asarray(state.sequence, np.int64))
+    def _start(self, row: Row, documents, tokenizer, prediction) -> None:
+        self.drafter.start(row.request_id, np.asarray(row.sequence[row.num_pads:], np.int64))
         if documents is not None:
-            self.drafter.add_documents(state.request_id, documents, tokenizer)
+            self.drafter.add_documents(row.request_id, documents, tokenizer)
+        if prediction is not None:
+            self.drafter.add_prediction(row.request_id, prediction)
 
-    def _follow_model_cache_policy(self, state: DecodeState) -> None:
+    def _follow_model_cache_policy(self, active: list[Row], cache, layout: KVLayout) -> None:
         """Re-prefill where the model's own ``prepare_inputs_for_generation`` would drop the cache.
 
         Phi-3 with LongRoPE recomputes the whole cache with long factors once the
         sequence passes its original context; plain decoding does it through that
-        method, so the engine asks the same method at the same step.
+        method, so the engine asks the same method at the same step (a batch of one:
+        batches of such models decode plainly).
         """
-        if not self.traits.asks_model_for_cache or state.cache_len == 0:
+        if not self.traits.asks_model_for_cache or layout.length == 0 or len(active) != 1:
             return
-        ids = torch.tensor([state.sequence], dtype=torch.long, device=self.device)
+        row = active[0]
+        ids = torch.tensor([row.sequence], dtype=torch.long, device=self.device)
         inputs = self.model.prepare_inputs_for_generation(
-            ids, **{self.traits.cache_kwarg: state.cache}, use_cache=True,
-            cache_position=torch.arange(state.cache_len, len(state.sequence), device=self.device))
+            ids, **{self.traits.cache_kwarg: cache}, use_cache=True,
+            cache_position=torch.arange(layout.length, len(row.sequence), device=self.device))
         if inputs.get(self.traits.cache_kwarg) is None:
-            state.cache, state.cache_len, state.pending = make_cache(), 0, list(state.sequence)
+            layout.clear(cache)
+            row.pending = list(row.sequence)
+            row.pending_positions = np.arange(len(row.sequence), dtype=np.int64)
 
-    def _propose(self, state: DecodeState) -> Draft:
-        budget = self.config.step_budget(state.max_length - len(state.sequence))
-        depth_limit = self.traits.draft_depth_limit(len(state.sequence))
+    def _propose(self, row: Row, batch_size: int, cache, layout: KVLayout, r: int) -> Draft:
+        budget = self.config.step_budget(row.max_length - len(row.sequence))
+        depth_limit = self.traits.draft_depth_limit(row.num_committed)
         if depth_limit is not None and depth_limit < budget.max_depth:
             budget = Budget(budget.num_nodes, depth_limit)
+        if batch_size != 1:
+            budget = Budget(budget.num_nodes, budget.max_depth, batch_size)
         if budget.max_depth == 0:
             return Draft.empty()
-        self.drafter.on_verified_cache(state.request_id, state.cache, state.cache_len)
-        draft = self.drafter.propose(state.request_id, budget)
+        if self.drafter.needs_model:  # row r's verified text: its slots after the left pads
+            self.drafter.on_verified_cache(row.request_id, *layout.row_view(cache, r, row.num_pads))
+        draft = self.drafter.propose(row.request_id, budget)
         if not draft.num_nodes:
             return draft
         draft.validate(budget)
-        if draft.num_nodes and int(draft.token_ids.max()) >= self.traits.vocab_size:
+        if int(draft.token_ids.max()) >= self.traits.vocab_size:
             raise ValueError(f"drafter {self.drafter.name!r} proposed token id {int(draft.token_ids.max())}, "
                              f"outside the model's vocabulary of {self.traits.vocab_size} (from the prompt, "
                              f"documents= or the drafter's own state)")
         return draft.best_chain() if self.traits.chains_only else draft
 
-    def _forward(self, state: DecodeState, draft: Draft) -> torch.Tensor:
-        """The tree forward, reported to the drafter; the pending tokens are cached after it. [n + 1, V]"""
+    def _forward(self, active: list[Row], steps: list[RowStep], cache, layout: KVLayout) -> torch.Tensor:
+        """The batched tree forward, reported to the drafter. [B, 1 + max n, V]"""
         prefill = self.stats.forward_passes == 0
-        num_fed = len(state.pending) + draft.num_nodes
         t0 = time.perf_counter()
-        logits = tree_forward(self.model, self.traits, state.cache, state.cache_len, state.pending, draft)
-        self.drafter.on_forward(ForwardReport((state.request_id,), (num_fed,), time.perf_counter() - t0, prefill))
+        logits = forward_rows(self.model, self.traits, cache, layout, steps, self.pad_token_id)
+        report = ForwardReport(tuple(row.request_id for row in active), tuple(step.num_fed for step in steps),
+                               time.perf_counter() - t0, prefill)
+        self.drafter.on_forward(report)
         self.stats.forward_passes += 1
+        self.stats.row_forwards += len(active)
         if not prefill:
-            self.stats.tokens_fed += num_fed
-        state.cache_len += len(state.pending)
+            self.stats.tokens_fed += sum(report.tokens_per_row)
         return logits
 
-    def _accept(self, state: DecodeState, draft: Draft, logits: torch.Tensor) -> Acceptance:
+    def _accept(self, row: Row, draft: Draft, logits: torch.Tensor) -> Acceptance:
         processor, criteria = self.logits_processor, self.stopping_criteria
 
-        def score_row(row: int, path: list[int]) -> torch.Tensor:
-            raw = logits[row: row + 1]
+        def score_row(index: int, path: list[int]) -> torch.Tensor:
+            raw = logits[index: index + 1]
             if len(processor) == 0:
                 return raw[0]
-            ids = torch.tensor([state.sequence + path], dtype=torch.long, device=self.device)
+            ids = torch.tensor([row.sequence + path], dtype=torch.long, device=self.device)
             return processor(ids, raw.clone())[0]
 
         def should_stop(emitted: list[int], emitted_scores: list[torch.Tensor]) -> bool:
             """The stopping criteria, asked as plain decoding asks them (with its scores when it keeps them)."""
-            if len(state.sequence) + len(emitted) >= state.max_length:
+            if len(row.sequence) + len(emitted) >= row.max_length:
                 return True
-            ids = torch.tensor([state.sequence + emitted], dtype=torch.long, device=self.device)
-            scores = tuple(state.out_scores) + tuple(s[None] for s in emitted_scores) if self.want_scores else None
+            ids = torch.tensor([row.sequence + emitted], dtype=torch.long, device=self.device)
+            scores = tuple(row.out_scores) + tuple(s[None] for s in emitted_scores) if self.want_scores else None
             return bool(criteria(ids, scores).any())
 
         acceptance = accept_tree(draft.token_ids, draft.parents, score_row, self.do_sample, draft.is_candidate,
@@ -382,29 +428,44 @@ class SpeculativeDecoder:
         self.stats.count_draft(draft, acceptance.accepted_nodes, self.drafter.name)
         return acceptance
 
-    def _commit(self, state: DecodeState, draft: Draft, logits: torch.Tensor, acceptance: Acceptance) -> list[int]:
+    def _commit(self, row: Row, draft: Draft, logits: torch.Tensor, acceptance: Acceptance) -> list[int]:
         """Commit the emitted tokens (the walk already asked the stopping criteria after each one)."""
         committed = list(acceptance.token_ids)
         for k in range(len(committed)):
             if self.want_scores:
-                state.out_scores.append(acceptance.scores[k][None])
+                row.out_scores.append(acceptance.scores[k][None])
             if self.want_logits:
-                row = 0 if k == 0 else acceptance.accepted_nodes[k - 1] + 1
-                state.out_logits.append(logits[row: row + 1].clone())
-        state.sequence.extend(committed)
-        state.done = acceptance.stopped
+                index = 0 if k == 0 else acceptance.accepted_nodes[k - 1] + 1
+                row.out_logits.append(logits[index: index + 1].clone())
+        next_position = row.num_committed
+        row.sequence.extend(committed)
+        row.done = acceptance.stopped
         self.stats.new_tokens += len(committed)
         if self.streamer is not None:
             for token in committed:
                 self.streamer.put(torch.tensor([token]))
-        state.pending = [committed[-1]]  # the last emitted token is committed but not cached
+        # the last emitted token is committed but not cached: the next step's pending token
+        row.pending = [committed[-1]]
+        row.pending_positions = np.array([next_position + len(committed) - 1], np.int64)
         return committed
 
-    def _learn(self, state: DecodeState, draft: Draft, logits: torch.Tensor, acceptance: Acceptance,
+    def _learn(self, row: Row, draft: Draft, logits: torch.Tensor, acceptance: Acceptance,
                committed: list[int]) -> None:
         top_k = self.drafter.observe_top_k
         if top_k:
-            topk = torch.topk(logits, k=min(top_k, logits.shape[-1]), dim=-1).indices.cpu().numpy()
+            fed = logits[: draft.num_nodes + 1]
+            topk = torch.topk(fed, k=min(top_k, fed.shape[-1]), dim=-1).indices.cpu().numpy()
             accepted = np.asarray(acceptance.accepted_nodes, np.int64)
-            self.drafter.observe(state.request_id, VerifyOutput(draft, accepted, topk))
-        self.drafter.extend(state.request_id, np.asarray(committed, np.int64))
+            self.drafter.observe(row.request_id, VerifyOutput(draft, accepted, topk))
+        self.drafter.extend(row.request_id, np.asarray(committed, np.int64))
+
+
+def _pad_token_id(generation_config) -> int:
+    """The id plain decoding pads finished rows with (transformers falls back to EOS)."""
+    pad = getattr(generation_config, "_pad_token_tensor", None)
+    if pad is None:
+        pad = generation_config.pad_token_id
+    if pad is None:
+        return 0
+    pad = torch.as_tensor(pad).reshape(-1)
+    return int(pad[0]) if pad.numel() else 0

@@ -7,7 +7,7 @@ vocabulary). ``ModelHandle.of(model)`` builds that from the host model's public
 modules (``get_decoder().layers``, ``.norm``, ``.rotary_emb``, the input and
 output embeddings) and calls each decoder layer as the host's own loop does;
 no host function is copied and nothing in the model is patched. Attention
-masks and position ids come from the engine's ``attention_inputs`` (the tree
+masks and position ids come from the engine's ``KVLayout.inputs`` (the tree
 masks of ``tree.py``), so sliding windows are applied the same way.
 
 A draft pass never writes the verified cache. It reads it in place through a
@@ -41,11 +41,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .engine import ModelTraits, UnsupportedForSpeculation, attention_inputs
+from .batch import KVLayout, RowStep
+from .draft import Draft
+from .engine import ModelTraits, UnsupportedForSpeculation
 
 SUPPORTED_MODEL_TYPES = ("gemma3_text", "llama", "qwen2", "qwen3")
-
-_NO_PARENTS = np.zeros(0, np.int32)
 
 
 class UnsupportedModel(ValueError):
@@ -55,8 +55,8 @@ class UnsupportedModel(ValueError):
 class DraftCache:
     """The verified KV cache, read in place, plus the scratch entries of one draft pass.
 
-    ``verified``: the engine's cache (a transformers ``DynamicCache``); ``verified_len``:
-    how many of its entries are verified (later ones, if any, are ignored).
+    ``verified``: the engine's cache of one row (``batch.RowCacheView``, or a ``DynamicCache``);
+    ``verified_len``: how many of its entries are verified (later ones, if any, are ignored).
     ``length`` is ``verified_len`` plus the tokens this pass fed so far. Worked
     example: ``verified_len=10``; ``y`` then ``a`` run through it -> ``length == 12``,
     ``a`` sat at position 11 and attended to the 10 verified entries, ``y`` and itself.
@@ -235,7 +235,7 @@ class ModelHandle:
         if not ascending or (layers and not 0 <= layers[0] <= layers[-1] < self.num_layers):
             raise ValueError(f"layers must be ascending indices in [0, {self.num_layers}), got {layers}")
         num_new = int(hidden.shape[1])
-        mask, position_ids = attention_inputs(self.traits, _NO_PARENTS, num_new, cache.get_seq_length(), self.device)
+        mask, position_ids = self._pass_inputs(num_new, cache.get_seq_length())
         position_embeddings = self.position_embeddings(hidden, position_ids)
         kept = [hidden] if keep_hidden else None
         for index in layers:
@@ -245,6 +245,14 @@ class ModelHandle:
             if keep_hidden:
                 kept.append(hidden)
         return kept if keep_hidden else hidden
+
+    def _pass_inputs(self, num_new: int, cache_len: int):
+        """(mask, position_ids [1, Q]) of Q new tokens after ``cache_len`` cached ones: the engine's
+        masks (``KVLayout.inputs``; sliding windows included); no mask for one token without windows."""
+        new_positions = np.arange(cache_len, cache_len + num_new, dtype=np.int64)
+        step = RowStep([0] * num_new, new_positions, Draft.empty())
+        _, mask, position_ids = KVLayout.of_text(cache_len).inputs(self.traits, [step], 0, self.device)
+        return (None if num_new == 1 and self.traits.no_windows else mask), position_ids
 
     def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict:
         """``{layer_type: (cos, sin)}`` from the host's rotary embedding module."""

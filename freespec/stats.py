@@ -21,14 +21,15 @@ class DrafterStats:
 class SpecStats:
     """Counters of the last call.
 
-    ``tau`` is new tokens per target forward, prefill included, so plain
-    decoding scores exactly 1.00 (not the mean accepted draft length, which is
-    ``tau - 1`` per forward).
+    ``tau`` is new tokens per target forward and row, prefill included, so plain
+    decoding scores exactly 1.00, batched or not (not the mean accepted draft
+    length, which is ``tau - 1``).
     """
 
     prompt_tokens: int = 0
     new_tokens: int = 0
     forward_passes: int = 0
+    row_forwards: int = 0  # forwards times the rows they verified (a batch of 4 counts 4 per forward)
     steps_with_draft: int = 0
     tokens_fed: int = 0  # tokens fed to the target after the prompt (roots + draft nodes)
     draft_tokens: int = 0  # candidate draft nodes verified
@@ -42,7 +43,8 @@ class SpecStats:
 
     @property
     def tau(self) -> float:
-        return self.new_tokens / self.forward_passes if self.forward_passes else 0.0
+        """New tokens per row and target forward (a batch's rows each count)."""
+        return self.new_tokens / self.row_forwards if self.row_forwards else 0.0
 
     @property
     def tokens_per_s(self) -> float:

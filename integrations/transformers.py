@@ -13,20 +13,29 @@ generation config, logits processors and stopping criteria (stop strings
 included: the callable takes ``tokenizer``, so transformers routes it there)
 exactly as for plain decoding, and the callable runs freespec's engine with them.
 
-What falls back to plain ``generate()`` (with one logged warning per reason
-and ``stats(model).fallback_reason`` set), never silently different output:
-batch size > 1, beam search, ``num_return_sequences > 1``, an assistant model
-or HF prompt lookup, a user-supplied cache, a padded attention mask or one whose
-shape differs from the input's, ``output_attentions``/``output_hidden_states``,
+A left-padded batch speculates row by row (each row its own draft tree, one
+forward for all). What falls back to plain ``generate()`` (with one logged
+warning per reason and ``stats(model).fallback_reason`` set), never silently
+different output: beam search, an assistant model or HF prompt lookup, a
+user-supplied cache, an attention mask that is not left padding or whose shape
+differs from the input's, ``output_attentions``/``output_hidden_states``,
 classifier-free guidance, a non-default ``cache_implementation``, token healing
-and extra model inputs (images, ...). Streamers work: transformers does not hand
+and extra model inputs (images, ...); and, for batches of several rows only,
+``output_scores``/``output_logits``, ALiBi or dynamic/LongRoPE models and
+``prefix_allowed_tokens_fn``. Streamers work: transformers does not hand
 a streamer to a custom_generate callable, so the wrapper keeps it and the engine
 feeds it.
 
-One argument plain ``generate()`` lacks: ``documents=[...]`` (texts, with
-``tokenizer=``, or token-id sequences) gives this call's drafter documents to
-draft from, e.g. the retrieved passages of a RAG prompt. If the call falls
-back to plain decoding, documents only cost nothing: output is the same.
+Arguments plain ``generate()`` lacks, each a hint that changes speed, never
+output: ``documents=[...]`` (texts, with ``tokenizer=``, or token-id sequences)
+gives this call's drafter documents to draft from, e.g. the retrieved passages
+of a RAG prompt, after those of the enclosing ``freespec.documents(...)``
+blocks (``freespec/context.py``: how a framework that calls ``generate()`` for
+you gets them); ``prediction=`` (a text, with ``tokenizer=``, or 1-D token ids;
+for a batch, one for all rows or a list of one per row) is the output the caller
+expects, e.g. the file a code edit rewrites. Both are
+checked on every call (a bad one raises ``ValueError`` naming it) and dropped
+when the call falls back to plain decoding.
 """
 
 from __future__ import annotations
@@ -37,13 +46,15 @@ import logging
 import numpy as np
 import torch
 
+from ..compat import generate_output, transformers_version
 from ..config import SpecConfig
+from ..drafters.base import as_token_array, encode_text
 from ..engine import ModelTraits, SpeculativeDecoder, UnsupportedForSpeculation
 from ..stats import SpecStats
 
 logger = logging.getLogger("freespec")
 
-SUPPORTED_TRANSFORMERS = ((5, 24), (6, 0))  # [min, max)
+SUPPORTED_TRANSFORMERS = ((4, 57), (6, 0))  # [min, max)
 
 # model kwargs that generate() prepares for plain decoding and the engine honours
 # model kwargs that generate() prepares for plain decoding and the engine honours
@@ -108,9 +119,8 @@ def model_handle(model, drafter_name: str):
 def _check_transformers_version() -> None:
     import transformers
 
-    parts = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
     low, high = SUPPORTED_TRANSFORMERS
-    if not (low <= parts < high):
+    if not (low <= transformers_version() < high):
         raise RuntimeError(
             f"freespec supports transformers >= {'.'.join(map(str, low))}, < {'.'.join(map(str, high))}; "
             f"found {transformers.__version__}"
@@ -213,13 +223,20 @@ def _fallback_reason_from_kwargs(args, kwargs) -> str | None:
         return "a user-supplied cache"
     if kwargs.get("token_healing"):
         return "token_healing"
-    if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and inputs.shape[0] > 1:
-        return f"batch size {inputs.shape[0]} > 1"
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and isinstance(inputs, torch.Tensor) and mask.shape != inputs.shape:
         return f"attention_mask of shape {list(mask.shape)} for input_ids of shape {list(inputs.shape)}"
-    if isinstance(mask, torch.Tensor) and not bool((mask == 1).all()):
-        return "a padded attention_mask"
+    return _padding_reason(mask)
+
+
+def _padding_reason(mask) -> str | None:
+    """Left padding (each row: zeros, then ones) is what batched generate() takes; anything else falls back."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or bool((mask == 1).all()):
+        return None
+    if not bool(((mask == 0) | (mask == 1)).all()) or bool((mask[:, 1:] < mask[:, :-1]).any()):
+        return "an attention_mask that is not left padding (right padding or holes)"
+    if bool((mask.sum(-1) == 0).any()):
+        return "a row of the attention_mask with no token"
     return None
 
 
@@ -227,7 +244,6 @@ def _fallback_reason_from_config(generation_config, model_kwargs) -> str | None:
     gc = generation_config
     checks = [
         (getattr(gc, "num_beams", 1) not in (None, 1), "beam search (num_beams > 1)"),
-        (getattr(gc, "num_return_sequences", 1) not in (None, 1), "num_return_sequences > 1"),
         (getattr(gc, "prompt_lookup_num_tokens", None) is not None, "HF prompt lookup was requested"),
         (getattr(gc, "assistant_early_exit", None) is not None, "assistant_early_exit was requested"),
         (bool(getattr(gc, "output_attentions", False)), "output_attentions"),
@@ -244,10 +260,27 @@ def _fallback_reason_from_config(generation_config, model_kwargs) -> str | None:
     extra = {k for k, v in model_kwargs.items() if v is not None} - _MODEL_KWARGS_OK
     if extra:
         return f"extra model inputs {sorted(extra)}"
-    mask = model_kwargs.get("attention_mask")
-    if mask is not None and not bool((mask == 1).all()):
-        return "a padded attention_mask"
-    return None
+    return _padding_reason(model_kwargs.get("attention_mask"))
+
+
+def _batch_fallback_reason(model, generation_config, logits_processor, batch_size: int) -> str | None:
+    """What a batch of several rows cannot honour (a batch of one can)."""
+    from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
+
+    if batch_size == 1:
+        return None
+    traits = ModelTraits.of(model)
+    checks = [
+        (bool(generation_config.return_dict_in_generate and (generation_config.output_scores
+                                                             or generation_config.output_logits)),
+         "output_scores / output_logits with a batch (rows advance unevenly)"),
+        (traits.chains_only, "an ALiBi model with a batch (its bias follows key indices, which padding shifts)"),
+        (traits.rope_dynamic_limit is not None or traits.rope_long_limit is not None,
+         "a dynamic or LongRoPE rotary embedding with a batch (its frequencies follow the whole batch's length)"),
+        (any(isinstance(p, PrefixConstrainedLogitsProcessor) for p in logits_processor),
+         "prefix_allowed_tokens_fn with a batch (it is called with a row index)"),
+    ]
+    return next((reason for bad, reason in checks if bad), None)
 
 
 def _fall_back(patched: PatchedGenerate, reason: str, args, kwargs, streamer):
@@ -297,32 +330,96 @@ def _stop_strings_as_criteria(model, args, kwargs) -> tuple[tuple, dict]:
 
 
 def _documents(patched: PatchedGenerate, documents, tokenizer) -> list | None:
-    """Check ``generate(documents=...)``: texts (with ``tokenizer=``) or token-id sequences in the vocabulary."""
-    if documents is None:
+    """This call's documents: those of ``generate(documents=...)`` (texts, with ``tokenizer=``, or token-id
+    sequences) after those of the enclosing ``freespec.documents`` blocks, checked against the vocabulary."""
+    from ..context import active_documents
+
+    scoped = list(active_documents())
+    if documents is None and not scoped:
         return None
+    where = "documents=" if documents is not None else "freespec.documents()"
     if not patched.drafter.accepts_documents:
-        raise ValueError(f"documents= needs a drafter that drafts from documents (mixture, corpus); "
+        raise ValueError(f"{where} needs a drafter that drafts from documents (mixture, corpus); "
                          f"this model's drafter is {patched.drafter.name!r}")
-    if isinstance(documents, (str, bytes)) or not hasattr(documents, "__iter__"):
-        raise ValueError("documents must be a list of texts or of token-id sequences")
-    documents = list(documents)
+    if documents is not None:
+        if isinstance(documents, (str, bytes)) or not hasattr(documents, "__iter__"):
+            raise ValueError("documents must be a list of texts or of token-id sequences")
+        documents = list(documents)
+        if tokenizer is None and any(isinstance(doc, str) for doc in documents):
+            raise ValueError("text documents need tokenizer= in generate() to turn them into token ids")
     vocab_size = patched.model.get_input_embeddings().num_embeddings
-    for i, doc in enumerate(documents):
-        if isinstance(doc, str):
-            if tokenizer is None:
-                raise ValueError("text documents need tokenizer= in generate() to turn them into token ids")
-            continue
-        ids = np.asarray(doc)
-        if ids.size and np.issubdtype(ids.dtype, np.integer) and (ids.min() < 0 or ids.max() >= vocab_size):
-            raise ValueError(f"documents[{i}] holds token id {int(ids.max() if ids.max() >= vocab_size else ids.min())}"
-                             f", outside the model's vocabulary [0, {vocab_size})")
-    return documents
+    for i, doc in enumerate(scoped):
+        _check_in_vocab(doc, vocab_size, f"freespec.documents() document {i}")
+    for i, doc in enumerate(documents or []):
+        if not isinstance(doc, str):
+            _check_in_vocab(np.asarray(doc), vocab_size, f"documents[{i}]")
+    return scoped + (documents or [])
+
+
+def _prediction(patched: PatchedGenerate, prediction, tokenizer, batch_size: int) -> list | None:
+    """``generate(prediction=...)`` as token ids per row (None: no prediction for that row).
+
+    One prediction (a text, tokenized with ``tokenizer=``, or 1-D token ids) serves
+    every row; a list with one entry per row (each a text, token ids or None), or a
+    2-D tensor, gives each row its own.
+    """
+    if prediction is None:
+        return None
+    if not patched.drafter.accepts_prediction:
+        raise ValueError(f"prediction= needs a drafter that drafts from a predicted output (mixture, prediction); "
+                         f"this model's drafter is {patched.drafter.name!r}")
+    if isinstance(prediction, torch.Tensor):
+        prediction = prediction.cpu().numpy()
+    per_row = (isinstance(prediction, np.ndarray) and prediction.ndim == 2) or (
+        isinstance(prediction, (list, tuple)) and any(p is None or isinstance(p, str) or hasattr(p, "__len__")
+                                                      for p in prediction))
+    if not per_row:
+        return [_prediction_ids(patched, prediction, tokenizer, "prediction")] * batch_size
+    if len(prediction) != batch_size:
+        raise ValueError(f"prediction has {len(prediction)} entries (one per row) for a batch of {batch_size} "
+                         f"row(s); pass one text or one 1-D sequence of token ids for every row")
+    return [None if p is None else _prediction_ids(patched, p, tokenizer, f"prediction[{r}]")
+            for r, p in enumerate(prediction)]
+
+
+def _prediction_ids(patched: PatchedGenerate, prediction, tokenizer, name: str) -> np.ndarray:
+    """One row's prediction as int64 token ids in the vocabulary."""
+    if isinstance(prediction, str):
+        if tokenizer is None:
+            raise ValueError(f"{name} given as text needs tokenizer= in generate() to turn it into token ids "
+                             f"(or pass token ids)")
+        ids = encode_text(prediction, tokenizer)
+    elif isinstance(prediction, bytes) or not hasattr(prediction, "__len__"):
+        raise ValueError(f"{name} must be a text or a 1-D sequence of token ids, got {type(prediction).__name__}")
+    else:
+        ids = as_token_array(prediction, name)
+    _check_in_vocab(ids, patched.model.get_input_embeddings().num_embeddings, name)
+    return ids.astype(np.int64)
+
+
+def _expanded(predictions: list | None, num_rows: int) -> list | None:
+    """Per-row predictions for ``num_rows`` rows: generate() repeats each row for ``num_return_sequences``.
+
+    ``_expanded([a, b], 4) -> [a, a, b, b]`` (as ``repeat_interleave`` expands the input rows).
+    """
+    if predictions is None or len(predictions) == num_rows:
+        return predictions
+    return [p for p in predictions for _ in range(num_rows // len(predictions))]
+
+
+def _check_in_vocab(ids: np.ndarray, vocab_size: int, name: str) -> None:
+    if ids.size and np.issubdtype(ids.dtype, np.integer) and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"{name} holds token id {int(ids.max() if ids.max() >= vocab_size else ids.min())}, "
+                         f"outside the model's vocabulary [0, {vocab_size})")
 
 
 def _generate(patched: PatchedGenerate, *args, **kwargs):
     _check_input_ids(_input_ids(args, kwargs))
     streamer = kwargs.pop("streamer", None)
     documents = _documents(patched, kwargs.pop("documents", None), kwargs.get("tokenizer"))
+    inputs = _input_ids(args, kwargs)
+    batch_size = inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else 1
+    predictions = _prediction(patched, kwargs.pop("prediction", None), kwargs.get("tokenizer"), batch_size)
     reason = _fallback_reason_from_kwargs(args, kwargs)
     if reason is not None:
         return _fall_back(patched, reason, args, kwargs, streamer)
@@ -333,9 +430,8 @@ def _generate(patched: PatchedGenerate, *args, **kwargs):
 
     def speculative_generate(model_, input_ids, logits_processor, stopping_criteria, generation_config,
                              **model_kwargs):
-        reason_ = _fallback_reason_from_config(generation_config, model_kwargs)
-        if reason_ is None and input_ids.shape[0] != 1:
-            reason_ = f"batch size {input_ids.shape[0]} > 1"
+        reason_ = (_fallback_reason_from_config(generation_config, model_kwargs)
+                   or _batch_fallback_reason(model_, generation_config, logits_processor, input_ids.shape[0]))
         if reason_ is not None:
             raise _Fallback(reason_)
         stats_box.append(SpecStats())
@@ -344,17 +440,12 @@ def _generate(patched: PatchedGenerate, *args, **kwargs):
         decoder = SpeculativeDecoder(model_, patched.drafter, patched.config, stats_box[-1], ModelTraits.of(model_))
         sequences, scores, logits, cache = decoder.generate(
             input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-            documents=documents, tokenizer=tokenizer)
+            documents=documents, tokenizer=tokenizer, attention_mask=model_kwargs.get("attention_mask"),
+            predictions=_expanded(predictions, input_ids.shape[0]))
         if not generation_config.return_dict_in_generate:
             return sequences
-        from transformers.generation.utils import GenerateDecoderOnlyOutput
-
-        return GenerateDecoderOnlyOutput(
-            sequences=sequences,
-            scores=tuple(scores) if generation_config.output_scores else None,
-            logits=tuple(logits) if generation_config.output_logits else None,
-            cache=cache,
-        )
+        return generate_output(sequences, tuple(scores) if generation_config.output_scores else None,
+                               tuple(logits) if generation_config.output_logits else None, cache)
 
     try:
         result = patched.__wrapped__(*args, custom_generate=speculative_generate, **kwargs)

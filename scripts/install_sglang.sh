@@ -1,63 +1,26 @@
 #!/usr/bin/env bash
-# Install SGLang for the CPU tests of the SGLang plugin (tests/test_sglang_plugin.py).
+# A virtualenv with SGLang installed the way `pip install "freespec[sglang]"` installs it, for the
+# SGLang tests on a CPU machine (run them with `bash scripts/test_env.sh sglang`).
+#   bash scripts/install_sglang.sh [VENV]      # default: .ci/venvs/sglang
 #
-# sglang's own requirements pull CUDA wheels (flashinfer, sgl-kernel, ...) and pin
-# another transformers, so sglang goes in with --no-deps, followed by the few pure
-# Python packages that importing its plugin, server_args and ngram_worker modules
-# needs on a CPU machine. torch, transformers, numpy, numba and tokenizers are held
-# at the installed versions. sgl_kernel and torchvision are NOT installed (their
-# wheels need CUDA torch): the tests use import-only stand-ins from tests/sglang_stubs.
-# Idempotent: exits at once when everything is already there.
+# pip resolves sglang 0.5.21 together with freespec[sglang,test]: sglang's pins (transformers 5.12.1,
+# tokenizers 0.22.2, numba 0.65.1, torch 2.13.0, ...) and its pure-Python dependencies come from PyPI.
+# Only the CUDA-only packages it requires (sglang-kernel, flashinfer, torchvision, ...) are replaced,
+# by empty stand-in wheels (scripts/sglang_stubs.py); the modules the tests import from them are the
+# import-only stubs in tests/sglang_stubs. Reused while nothing it is built from changed.
 set -euo pipefail
-
+cd "$(dirname "$0")/.."
 SGLANG_VERSION=0.5.21
-PY=${PYTHON:-python}
-# pins where sglang 0.5.21 pins them; apache-tvm-ffi also builds its C++ NgramCorpus
-PACKAGES=(
-  pybase64 triton starlette msgspec pyzmq aiohttp dill einops "compressed-tensors==0.18.0"
-  "openai==2.6.1" partial_json_parser setproctitle uvicorn fastapi "apache-tvm-ffi==0.1.11"
-  orjson ipython sentencepiece
-)
-
-installed() {
-  "$PY" - "$SGLANG_VERSION" "${PACKAGES[@]}" <<'PYEOF'
-import importlib.metadata as md
-import sys
-
-want_sglang, packages = sys.argv[1], sys.argv[2:]
-try:
-    ok = md.version("sglang") == want_sglang
-    for spec in packages:
-        name, _, pin = spec.partition("==")
-        version = md.version(name)
-        ok = ok and (not pin or version == pin)
-except md.PackageNotFoundError:
-    ok = False
-sys.exit(0 if ok else 1)
-PYEOF
-}
-
-if installed; then
-  echo "install_sglang: sglang $SGLANG_VERSION and its test dependencies are installed"
-  exit 0
+venv=${1:-${FREESPEC_VENVS:-.ci/venvs}/sglang}
+stubs="$venv.stub-wheels"
+"${PYTHON:-python3}" -c "import packaging" 2>/dev/null || "${PYTHON:-python3}" -m pip install --quiet packaging
+"${PYTHON:-python3}" scripts/sglang_stubs.py "$SGLANG_VERSION" "$stubs"
+built=$(cat "$venv/.freespec-stamp" 2>/dev/null || true)
+bash scripts/make_venv.sh "$venv" --find-links "$stubs" -c "$stubs/constraints.txt" \
+  "sglang==$SGLANG_VERSION" -e ".[sglang,test]"
+if [ "$(cat "$venv/.freespec-stamp")" != "$built" ]; then
+  # the modules the plugin hooks import here, or the plugin tests would only skip
+  PYTHONPATH="$PWD/tests/sglang_stubs" "$venv/bin/python" -W ignore -c \
+    "import sglang.srt.plugins.hook_registry, sglang.srt.server_args, sglang.srt.speculative.ngram_worker"
 fi
-
-constraints=$(mktemp)
-trap 'rm -f "$constraints"' EXIT
-"$PY" - >"$constraints" <<'PYEOF'
-import importlib.metadata as md
-
-for name in ("torch", "transformers", "numpy", "numba", "tokenizers", "huggingface-hub", "safetensors"):
-    try:
-        print(f"{name}=={md.version(name)}")
-    except md.PackageNotFoundError:
-        pass
-PYEOF
-
-"$PY" -m pip install --quiet --no-deps "sglang==$SGLANG_VERSION"
-"$PY" -m pip install --quiet -c "$constraints" "${PACKAGES[@]}"
-
-here=$(cd "$(dirname "$0")/.." && pwd)
-PYTHONPATH="$here/tests/sglang_stubs${PYTHONPATH:+:$PYTHONPATH}" "$PY" -W ignore -c \
-  "import sglang.srt.plugins.hook_registry, sglang.srt.server_args, sglang.srt.speculative.ngram_worker"
-echo "install_sglang: sglang $SGLANG_VERSION installed"
+echo "install_sglang: sglang $SGLANG_VERSION in $venv"

@@ -121,3 +121,91 @@ def naive_bfs(parents) -> list[int]:
         order.append(node)
         queue += [i for i, p in enumerate(parents) if p == node]
     return order
+
+
+# =====================================================================================
+# freespec.kernels.successor_table
+# Tables are dicts: "model" token -> list, "text" token -> list, "pair" slot -> ((prev, token), list).
+# =====================================================================================
+
+EXACT_ROW, PAIR_ROW, TEXT_ROW, MODEL_ROW = 0, 1, 2, 3
+
+
+def naive_pair_slot(prev, token, num_slots) -> int:
+    """Twin of ``pair_slot``: Python integers, the same low bits."""
+    return ((prev * 0x9E3779B1 + token * 0x85EBCA77) & 0x7FFFFFFF) & (num_slots - 1)
+
+
+def naive_write_rows(tables, tokens, prevs, topk, order, k, num_slots) -> None:
+    """Twin of ``write_rows_kernel``: model row and pair row := the first ``k`` of ``topk[i]``, for ``i`` in ``order``."""
+    for i in order:
+        tables["model"][tokens[i]] = list(topk[i][:k])
+        if prevs[i] >= 0:
+            tables["pair"][naive_pair_slot(prevs[i], tokens[i], num_slots)] = ((prevs[i], tokens[i]), list(topk[i][:k]))
+
+
+def naive_seed_text(tables, text, begin, kt) -> None:
+    """Twin of ``seed_text_kernel``: each bigram moves its follower to the front of the text row."""
+    for j in range(max(begin, 1), len(text)):
+        token, follower = text[j - 1], text[j]
+        row = tables["text"].get(token, [])
+        tables["text"][token] = ([follower] + [s for s in row if s != follower])[:kt]
+
+
+def naive_rows(tables, token, prev, exact_root, num_slots) -> list[list[int]]:
+    """The four rows of ``token`` after ``prev``, in the order EXACT, PAIR, TEXT, MODEL (``[]`` if absent)."""
+    model = tables["model"].get(token, [])
+    slot = tables["pair"].get(naive_pair_slot(prev, token, num_slots)) if prev >= 0 else None
+    pair = slot[1] if slot is not None and slot[0] == (prev, token) else []
+    return [model if exact_root else [], pair, tables["text"].get(token, []), [] if exact_root else model]
+
+
+def naive_grow_tree(tables, root, root_prev, exact_root, probs, max_nodes, max_depth, min_prob, num_slots):
+    """Twin of ``grow_tree_kernel``, a heap of (path probability, push order): (token_ids, parents, probs, kinds)."""
+    import heapq
+
+    heap, pushed = [], 0
+
+    def push(node, token, prev, exact, prob, depth):
+        nonlocal pushed
+        rows = naive_rows(tables, token, prev, exact, num_slots)
+        firsts = [row[0] for row in rows if row]
+        seen = set()
+        for row_type, row in enumerate(rows):
+            for rank, child in enumerate(row[: len(probs[0][0])]):
+                if child in seen:
+                    continue
+                seen.add(child)
+                agree = int(firsts.count(child) >= 2)
+                conditional = probs[row_type][min(depth + 1, len(probs[0])) - 1][rank][agree]
+                heapq.heappush(heap, (-(prob * conditional), pushed, node, child, token, (row_type, depth + 1,
+                                                                                          rank, agree)))
+                pushed += 1
+
+    push(-1, root, root_prev, exact_root, 1.0, 0)
+    token_ids, parents, path_probs, kinds = [], [], [], []
+    while heap and len(token_ids) < max_nodes:
+        neg_prob, _, parent, token, parent_token, kind = heapq.heappop(heap)
+        if -neg_prob < min_prob:
+            break
+        token_ids.append(token)
+        parents.append(parent)
+        path_probs.append(-neg_prob)
+        kinds.append(kind)
+        if kind[1] < max_depth:
+            push(len(token_ids) - 1, token, parent_token, False, -neg_prob, kind[1])
+    return token_ids, parents, path_probs, kinds
+
+
+# =====================================================================================
+# freespec.kernels.ngram_pool
+# A pool is an OrderedDict: key -> list of grams (tuples), most recent first; keys in write order.
+# =====================================================================================
+
+
+def naive_pool_insert(pool, max_keys, guesses, key, gram) -> None:
+    """Twin of ``pool_insert_kernel``: LRU over keys (by last write), LRU and dedup within a key."""
+    if key not in pool and len(pool) == max_keys:
+        pool.popitem(last=False)
+    grams = [g for g in pool.pop(key, []) if g != tuple(gram)]
+    pool[key] = [tuple(gram)] + grams[: guesses - 1]

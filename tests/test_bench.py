@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import re
 
@@ -11,7 +12,7 @@ import pytest
 
 from freespec.bench import datasets
 from freespec.bench.datasets import Item, format_prompt, load_dataset, round_robin
-from freespec.bench.methods import parse_method, parse_methods, split_methods
+from freespec.bench.methods import parse_drafters, parse_method, parse_methods, split_methods
 from freespec.bench.peers import ArcticSuffixDrafter, arctic_available, arctic_to_draft
 from freespec.bench.report import console_report, markdown_report, summarize, write_results
 from freespec.draft import Budget
@@ -98,14 +99,40 @@ def test_spec_bench_file(tmp_path):
         load_dataset("builtin:nope")
 
 
-def test_shared_spec_bench_data_loads():
-    from pathlib import Path
+def test_one_jsonl_reader_names_file_and_line(tmp_path):
+    from freespec.bench.jsonl import read_jsonl, write_jsonl
 
-    path = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench_dev.jsonl"
-    if not path.is_file():
-        pytest.skip("../shared/data/spec_bench_dev.jsonl is not here")
+    path = write_jsonl([{"a": 1}, {"a": 2}], tmp_path / "r.jsonl")
+    path.write_text(path.read_text() + "\n  \n")  # blank lines are skipped
+    assert read_jsonl(path, lambda r: r["a"], "record") == [1, 2]
+    path.write_text('{"a": 1}\n\n{"a": \n')
+    with pytest.raises(ValueError, match=r"r.jsonl:3: not a record \("):
+        read_jsonl(path, lambda r: r["a"], "record")
+    with pytest.raises(ValueError, match=r"r.jsonl:1: not a record \('b'\)"):
+        read_jsonl(path, lambda r: r["b"], "record")
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="holds no records"):
+        read_jsonl(path, dict, "record")
+    with pytest.raises(ValueError, match="does not exist, try X"):
+        read_jsonl(tmp_path / "missing.jsonl", dict, "record", missing_hint=", try X")
+
+
+def test_spec_bench_layout_limit_covers_every_category(tmp_path):
+    """Spec-Bench's layout: 8 MT-bench categories of 5 two-turn items, then 5 of 40 one-turn items, in blocks."""
+    two_turn = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
+    one_turn = ["translation", "summarization", "qa", "math_reasoning", "rag"]
+    rows, qid = [], 80
+    for category in two_turn + one_turn:
+        for _ in range(5 if category in two_turn else 40):
+            qid += 1
+            turns = [f"question {qid}", "follow-up"] if category in two_turn else [f"question {qid}"]
+            rows.append({"question_id": qid, "category": category, "turns": turns})
+    path = tmp_path / "spec_bench.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     items = load_dataset(str(path), limit=13)
-    assert len({i.category for i in items}) == 13
+    assert [i.category for i in items] == two_turn + one_turn
+    assert sum(len(i.turns) for i in items) == 21
+    assert len(load_dataset(str(path))) == 240
 
 
 def test_round_robin_order():
@@ -161,6 +188,22 @@ def test_method_specs():
 def test_bad_method_specs_say_why(text, message):
     with pytest.raises(ValueError, match=message):
         parse_methods(text)
+
+
+def test_drafter_specs_for_replay():
+    specs = parse_drafters("prompt_lookup, suffix{min_match=3,max_draft_depth=8},freespec,freespec:suffix,"
+                           "arctic-suffix")
+    assert [m.label for m in specs] == ["prompt_lookup", "suffix{min_match=3,max_draft_depth=8}", "freespec",
+                                        "freespec:suffix", "arctic-suffix"]
+    assert [m.kind for m in specs] == ["freespec"] * 4 + ["arctic-suffix"]
+    assert specs[1].drafter == "suffix" and specs[1].drafter_options == {"min_match": 3}
+    assert specs[1].spec_options == {"max_draft_depth": 8} and specs[2].drafter is None
+    assert specs[1] == dataclasses.replace(parse_method("freespec:suffix{min_match=3,max_draft_depth=8}"),
+                                           label="suffix{min_match=3,max_draft_depth=8}")  # one grammar
+    for text, message in [("vanilla", "unknown drafter"), ("suffix,suffix", "listed twice"),
+                          ("suffix{min_match}", "key=value"), ("hf-pld:3", "cannot parse")]:
+        with pytest.raises(ValueError, match=message):
+            parse_drafters(text)
 
 
 def test_single_method_value_types():
@@ -238,7 +281,12 @@ def _synthetic_results():
         "config": {"model": "m", "dataset": "d", "methods": labels, "max_new_tokens": 100, "dtype": "float32",
                    "temperature": 0.0},
         "environment": {"cpu_model": "cpu", "torch_threads": 2, "torch": "t", "transformers": "tf",
-                        "freespec": "f", "date": "today", "command": "freespec bench ..."},
+                        "freespec": "f", "date": "today", "command": "freespec bench ...",
+                        "cpu_features": {"amx_bf16": True, "avx512f": True, "avx2": False},
+                        "torch_cpu_capability": "AVX512", "gpu": None},
+        "cost_curve": {"sizes": [1, 2, 4], "ms": [10.0, 12.0, 15.0], "ratios": [1.0, 1.2, 1.5],
+                       "prefill": {"tokens": 512, "ms": 200.0}, "prefix_tokens": 512, "repeats": 5, "threads": 2,
+                       "dtype": "float32", "device": "cpu"},
         "greedy": True, "reference": "vanilla",
         "unavailable": {"arctic-suffix": "arctic-inference is not installed"},
         "mismatches": [{"prompt_index": 2, "method": "freespec", "first_difference": 5}],
@@ -269,24 +317,52 @@ def test_reports_and_files(tmp_path):
     assert "METHOD NOT RUN: arctic-suffix" in text and "GREEDY OUTPUT MISMATCH" in text
     md = markdown_report(results)
     assert "| method | tau |" in md and "**METHOD NOT RUN: arctic-suffix" in md
+    assert "CPU matrix features: amx_bf16, avx512f; torch CPU capability AVX512; GPU: none." in md
+    assert "| 4 | 15.0 | 1.50 |" in md and "| 512 (prefill) | 200.0 | 20.00 |" in md
+    assert "Cost of a forward feeding k tokens over 512 cached ones" in text
     written = write_results(results, tmp_path / "out")
     names = {p.name for p in written}
     assert {"results.json", "results.md"} <= names
     pytest.importorskip("matplotlib")
-    assert {"speedup_by_category.png", "tau_by_category.png", "tau_distribution.png"} <= names
+    assert {"speedup_by_category.png", "tau_by_category.png", "tau_distribution.png", "cost_curve.png"} <= names
     assert all(p.stat().st_size > 1000 for p in written)
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["summary"]["overall"]["freespec"]["tau"] == 4.0
+
+
+# ------------------------------------------------------------------------------ runner pieces
+def test_conversation_puts_earlier_answers_in_the_history():
+    from freespec.bench.runner import conversation
+
+    item = Item("1", "c", ("first", "second", "third"))
+    assert conversation(item, 0, []) == [{"role": "user", "content": "first"}]
+    assert conversation(item, 2, ["A", "B"]) == [
+        {"role": "user", "content": "first"}, {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "second"}, {"role": "assistant", "content": "B"},
+        {"role": "user", "content": "third"}]
+    with pytest.raises(ValueError, match="needs the answers"):
+        conversation(item, 2, ["A"])
+
+
+def test_compare_outputs_records_the_first_difference():
+    from freespec.bench.runner import compare_outputs
+
+    outputs = {"vanilla": [1, 2, 3], "same": [1, 2, 3], "short": [1, 2], "other": [1, 9, 3, 4]}
+    assert compare_outputs(outputs, "vanilla") == [
+        {"method": "short", "reference": "vanilla", "first_difference": 2, "len": 2, "reference_len": 3},
+        {"method": "other", "reference": "vanilla", "first_difference": 1, "len": 4, "reference_len": 3}]
+    assert compare_outputs({"a": [5]}, "a") == []
 
 
 # ------------------------------------------------------------------------------ end to end
 @pytest.fixture
 def tiny_model(monkeypatch):
     from freespec import models
+    from freespec.testing.models import tiny_random
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # the CLI would set it for the whole test process
 
-    model = models.tiny_random_llama(vocab_size=128)
+    model = tiny_random("llama", vocab_size=128)
     monkeypatch.setattr(models, "load", lambda name, dtype=None, **kw: (model, CharTokenizer()))
     return model
 
@@ -320,6 +396,10 @@ def test_bench_end_to_end_then_replay(tmp_path, tiny_model, capsys):
     assert "PASSIVE" in " ".join(results["notes"]) or "OMP_WAIT_POLICY" in " ".join(results["notes"])
     assert (out / "results.md").read_text().startswith("Model `tiny`")
     assert "Overall" in text
+    env, probe = results["environment"], results["cost_curve"]
+    assert "cpu_features" in env and "gpu" in env and "torch_cpu_capability" in env
+    assert probe["sizes"] == [1, 2, 4, 8, 16, 32, 64] and probe["ratios"][0] == 1.0 and probe["threads"] == 1
+    assert "Cost of a forward" in (out / "results.md").read_text() and "Cost of a forward" in text
 
     traces = [json.loads(line) for line in (out / "traces.jsonl").read_text().splitlines()]
     assert [t["category"] for t in traces] == ["rep", "rep", "other"]
@@ -334,6 +414,15 @@ def test_bench_end_to_end_then_replay(tmp_path, tiny_model, capsys):
     engine_forwards = sum(p["methods"]["freespec:prompt_lookup{min_match=1,max_draft_tokens=8}"]["forwards"]
                           for p in results["prompts"])
     assert replayed["overall"]["forwards"] == engine_forwards
+
+    method = "freespec:prompt_lookup{min_match=1,max_draft_tokens=8}"
+    code = main(["replay", str(out / "traces.jsonl"), "--drafters", method,
+                 "--cost-curve", str(out / "results.json"), "--json", str(tmp_path / "replay.json")])
+    assert code == 0, capsys.readouterr().out
+    saved = json.loads((tmp_path / "replay.json").read_text())
+    assert saved["cost_curve"]["one_token_ms"] == probe["ms"][0]
+    assert saved["cost_curve"]["sizes"] == probe["sizes"] + [probe["prefill"]["tokens"]]
+    assert saved["results"][method]["overall"]["forwards"] == engine_forwards
 
 
 def test_bench_reports_a_mismatch_and_exits_nonzero(tmp_path, tiny_model, monkeypatch, capsys):
@@ -352,12 +441,12 @@ def test_bench_reports_a_mismatch_and_exits_nonzero(tmp_path, tiny_model, monkey
     monkeypatch.setattr(runner.MethodRunner, "generate", corrupt)
     args = ["bench", "--model", "tiny", "--dataset", str(_dataset(tmp_path)), "--methods", "vanilla,hf-pld",
             "--limit", "1", "--categories", "other", "--max-new-tokens", "6", "--no-warmup", "--no-progress",
-            "--no-plots", "--out", str(tmp_path / "mm")]
+            "--no-plots", "--no-cost-probe", "--out", str(tmp_path / "mm")]
     assert main(args) == 1
     captured = capsys.readouterr()
     assert "OUTPUT MISMATCH" in captured.out and "mismatch" in captured.err
     results = json.loads((tmp_path / "mm" / "results.json").read_text())
-    assert results["mismatches"][0]["method"] == "hf-pld"
+    assert results["mismatches"][0]["method"] == "hf-pld" and results["cost_curve"] is None
     assert main(args + ["--allow-mismatch"]) == 0
 
 

@@ -9,10 +9,10 @@ import torch
 import freespec
 from freespec.draft import Budget, Draft
 from freespec.drafters.base import Drafter, ForwardReport, VerifyOutput
-from freespec.drafters.testing import OracleDrafter
+from freespec.testing.drafters import OracleDrafter
 from freespec.engine import ModelTraits, compact_cache, make_cache, tree_forward
 
-from conftest import plain_generate
+from conftest import patched_generate, plain_generate
 
 
 def _docstring_example() -> type:
@@ -48,15 +48,6 @@ class Wrapper(Drafter):
         self.inner.stop(request_id)
 
 
-def _generate(model, drafter, prompt, **gen):
-    freespec.patch(model, drafter=drafter)
-    try:
-        with torch.no_grad():
-            return model.generate(prompt, **gen), freespec.stats(model)
-    finally:
-        freespec.unpatch(model)
-
-
 def _repetitive_prompt():
     ids = torch.arange(10, 40).repeat(3)[None]  # a cycle the model tends to continue
     return ids
@@ -67,7 +58,7 @@ def test_worked_example_is_exact_and_learns(tiny_llama):
     gen = dict(max_new_tokens=60, do_sample=False)
     plain = plain_generate(tiny_llama, prompt, **gen)
     drafter = TopOneSuccessor()
-    out, stats = _generate(tiny_llama, drafter, prompt, **gen)
+    out, stats = patched_generate(tiny_llama, drafter, prompt, **gen)
     assert out.tolist() == plain.tolist()
     assert stats.draft_tokens > 0 and drafter.successor
 
@@ -105,7 +96,7 @@ def test_not_candidate_nodes_are_never_accepted_but_observed(tiny_llama):
     gen = dict(max_new_tokens=20, do_sample=False)
     plain = plain_generate(tiny_llama, prompt, **gen)
     drafter = ShadowDrafter(plain[0])
-    out, stats = _generate(tiny_llama, drafter, prompt, **gen)
+    out, stats = patched_generate(tiny_llama, drafter, prompt, **gen)
     assert out.tolist() == plain.tolist()
     assert stats.accepted_draft_tokens == 0 and stats.tau == 1.0
     assert stats.noncandidate_tokens > 0 and stats.per_drafter["shadow"].proposed == stats.draft_tokens

@@ -146,3 +146,11 @@ def test_bad_options_lifecycle_and_missing_dependency(monkeypatch):
     corpus.add([1, 2, 3])
     with pytest.raises(ImportError, match="pip install pyahocorasick"):
         corpus.find([1, 2])
+
+
+def test_occurrences_at_document_ends_do_not_take_sample_slots():
+    index = DocumentIndex(min_match=1, max_match=4)
+    for doc in ([0], [0], [0, 0]):
+        index.add(doc)
+    match_len, found = index.continuations([0], max_depth=3, max_occurrences=3)
+    assert match_len == 1 and [f.tolist() for f in found] == [[0]]

@@ -14,9 +14,10 @@ from freespec.drafters import make
 from freespec.drafters.early_exit import EarlyExitDrafter
 from freespec.drafters.self_draft_calibration import (DraftRule, SelfDraftSetting, TeacherForced, candidate_layer_sets,
                                                       setting_path, simulate, speedup)
-from freespec.models import tiny_random_gemma3, tiny_random_llama
+from freespec.testing.models import tiny_random, tiny_random_gemma3, tiny_random_llama
 
-from conftest import plain_generate
+from conftest import patched_generate, plain_generate
+from test_batch import left_padded
 from test_sampling import _chi_square_p
 
 PROMPTS = [[3, 5, 7, 9, 11, 3, 5, 7], [20, 21, 22, 23, 20, 21], [40, 2, 90, 17]]
@@ -37,6 +38,10 @@ def six_layer_gemma3():
     return tiny_random_gemma3(num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"])
 
 
+def six_layer(family):
+    return lambda: tiny_random(family, num_hidden_layers=6)
+
+
 def _generate_both(model, prompt, options, **gen):
     expected = plain_generate(model, torch.tensor([prompt]), **gen)
     freespec.patch(model, drafter="early_exit", drafter_options=options)
@@ -47,7 +52,7 @@ def _generate_both(model, prompt, options, **gen):
         freespec.unpatch(model)
 
 
-@pytest.mark.parametrize("make_model", [six_layer_llama, six_layer_gemma3])
+@pytest.mark.parametrize("make_model", [six_layer_llama, six_layer_gemma3, six_layer("qwen2"), six_layer("qwen3")])
 @pytest.mark.parametrize("options", [FIXED, dict(exit_layer=3, threshold=0.0, max_siblings=2, min_sibling_prob=0.0),
                                      dict(FIXED, head_vocab=16)])
 def test_greedy_output_is_plain_decoding(make_model, options):
@@ -67,6 +72,23 @@ def test_drafts_come_from_the_chosen_layers():
     assert torch.equal(out, expected)
     assert stats.accepted_draft_tokens == stats.draft_tokens == 16  # 4 steps of 4, then the bonus tokens
     assert stats.forward_passes == 5 and stats.tau == 21 / 5
+
+
+@pytest.mark.parametrize("make_model", [six_layer_llama, six_layer_gemma3])
+def test_batched_rows_draft_against_their_own_cache(make_model):
+    """A left-padded batch: with every layer and the full head each row's draft is its own greedy
+    continuation (so every node is accepted) only if its pass reads its own cached text."""
+    model = make_model()
+    pad = model.config.pad_token_id
+    ids, mask = left_padded(PROMPTS, pad)
+    gen = dict(max_new_tokens=20, do_sample=False, pad_token_id=pad, eos_token_id=None)
+    plain = plain_generate(model, ids, attention_mask=mask, **gen)
+    everything = EarlyExitDrafter(layers=list(range(6)), threshold=0.0, head_vocab=None, max_depth=4)
+    out, stats = patched_generate(model, everything, ids, attention_mask=mask, **gen)
+    assert stats.fallback_reason is None and out.tolist() == plain.tolist()
+    assert stats.draft_tokens > 0 and stats.accepted_draft_tokens == stats.draft_tokens
+    out, stats = patched_generate(model, EarlyExitDrafter(**FIXED), ids, attention_mask=mask, **gen)
+    assert out.tolist() == plain.tolist() and stats.draft_tokens > 0
 
 
 def test_weights_and_verified_cache_are_unchanged():
@@ -276,4 +298,4 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
                           "--max-new-tokens", "12", "--out", str(out)])
     assert json.loads(out.read_text())["methods"].keys() == {"vanilla", "early_exit", "mixture+early_exit"}
     assert all(m["identical"] == "1/1" for m in result["methods"].values())  # 3 prompts, 2 calibrate
-    assert result["break_even_tau"] > 1 and 0 < result["reuse"]["saving"] < 1
+    assert result["break_even_tau"] > 1 and result["reuse"]["saving"] < 1  # a timing: either sign on a busy CPU

@@ -2,8 +2,10 @@
 
 Every decode path runs with a drafter that is always wrong, one that is
 always right (with wrong siblings, so the tree branches), and every real
-drafter, on a tiny random Llama, a tiny random Gemma 3 with sliding-window
-layers (window 8, so prompts cross the window) and the real SmolLM2.
+drafter (token recycling and lookahead included, and the mixture filling
+every tree with recycled nodes and a lookahead window), on a tiny random
+Llama, a tiny random Gemma 3 with sliding-window layers (window 8, so
+prompts cross the window) and the real SmolLM2.
 """
 
 import pytest
@@ -11,11 +13,17 @@ import torch
 
 import freespec
 from freespec.demo import EXAMPLE_CODE
-from freespec.drafters.testing import OracleDrafter, WrongDrafter
+from freespec.drafters.mixture import MixtureDrafter
+from freespec.testing.drafters import OracleDrafter, WrongDrafter
 
-from conftest import plain_generate
+from conftest import patched_generate, plain_generate
 
-REAL_DRAFTERS = ["prompt_lookup", "mixture", "suffix", "ngram", "corpus"]
+REAL_DRAFTERS = ["prompt_lookup", "mixture", "suffix", "ngram", "corpus", "recycle", "lookahead"]
+
+
+def _full_trees(plain):
+    """The mixture with every source, filling the budget: recycled trees and a whole lookahead window each step."""
+    return MixtureDrafter(lookahead=True, lookahead_window=4, lookahead_ngram=3, adaptive=False)
 
 
 def _prompts(vocab_size, eos_token_id):
@@ -32,6 +40,7 @@ def _prompts(vocab_size, eos_token_id):
 
 def _drafters(reference, vocab_size):
     yield from REAL_DRAFTERS
+    yield _full_trees
     yield OracleDrafter(reference, vocab_size, num_wrong_siblings=2)
     yield WrongDrafter(reference, vocab_size)
 
@@ -39,12 +48,7 @@ def _drafters(reference, vocab_size):
 def _check(model, prompt, drafter, **gen):
     plain = plain_generate(model, prompt, **gen)
     drafter_obj = drafter(plain) if callable(drafter) else drafter
-    freespec.patch(model, drafter=drafter_obj)
-    try:
-        out = model.generate(prompt, **gen)
-        stats = freespec.stats(model)
-    finally:
-        freespec.unpatch(model)
+    out, stats = patched_generate(model, drafter_obj, prompt, **gen)
     assert stats.fallback_reason is None
     assert out.tolist() == plain.tolist(), f"drafter {drafter_obj!r} diverged"
     assert stats.new_tokens == plain.shape[1] - prompt.shape[1]
@@ -63,6 +67,22 @@ def test_greedy_matches_plain(which, request):
                 assert stats.tau > 3
             if isinstance(drafter, WrongDrafter):
                 assert stats.accepted_draft_tokens == 0 and stats.tau == 1.0
+
+
+@pytest.mark.parametrize("which", ["tiny_llama", "tiny_gemma3"])
+def test_compacted_cache_equals_a_linear_run(which, request):
+    """With recycled trees and a lookahead window in every forward, every step's logits equal plain decoding's:
+    the cache they were computed from holds exactly the committed tokens (no trace of a rejected or
+    not-candidate node), as a linear run's does."""
+    model = request.getfixturevalue(which)
+    prompt = _prompts(model.config.vocab_size, model.config.eos_token_id)[2]
+    gen = dict(max_new_tokens=30, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    plain = plain_generate(model, prompt, **gen)
+    out, stats = patched_generate(model, _full_trees(None), prompt, **gen)
+    assert stats.noncandidate_tokens > 0 and stats.accepted_draft_tokens > 0
+    assert out.sequences.tolist() == plain.sequences.tolist() and len(out.logits) == len(plain.logits)
+    for ours, theirs in zip(out.logits, plain.logits):
+        assert torch.allclose(ours.double(), theirs.double(), atol=1e-6)
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 5, 13])
@@ -94,7 +114,7 @@ def test_logits_processors_apply_on_the_right_prefix(tiny_llama):
 
 
 def test_eager_attention_matches_plain():
-    from freespec.models import tiny_random_llama
+    from freespec.testing.models import tiny_random_llama
 
     model = tiny_random_llama(seed=3, attn_implementation="eager")
     prompt = _prompts(128, 1)[2]

@@ -16,11 +16,11 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 import freespec
 from freespec.draft import Budget, Draft
 from freespec.drafters.base import Drafter
-from freespec.drafters.testing import OracleDrafter
+from freespec.testing.drafters import OracleDrafter
 from freespec.integrations.transformers import is_patched
-from freespec.models import tiny_random_llama
+from freespec.testing.models import tiny_random_llama
 
-from conftest import plain_generate
+from conftest import patched_generate, plain_generate
 
 PROMPT = torch.tensor([[0, 5, 9, 13, 5, 9, 13, 5, 9, 21, 30, 5, 9]])
 
@@ -31,15 +31,6 @@ def model():
     yield m
     if is_patched(m):
         freespec.unpatch(m)
-
-
-def _patched_generate(model, *args, drafter="mixture", **kwargs):
-    freespec.patch(model, drafter=drafter)
-    try:
-        with torch.no_grad():
-            return model.generate(*args, **kwargs), freespec.stats(model)
-    finally:
-        freespec.unpatch(model)
 
 
 # ------------------------------------------------------------------ stop strings
@@ -59,7 +50,7 @@ def test_stop_strings_however_given(smollm2):
             model.generation_config.stop_strings = model_default
             for args, kwargs in calls:
                 plain = plain_generate(model, *args, **kwargs)
-                out, stats = _patched_generate(model, *args, **kwargs)
+                out, stats = patched_generate(model, "mixture", *args, **kwargs)
                 assert stats.fallback_reason is None
                 assert out.tolist() == plain.tolist()
                 assert tokenizer.decode(out[0, ids.shape[1]:]).rstrip().endswith("return")
@@ -78,7 +69,7 @@ def test_stopping_criteria_receive_the_scores(model):
     kwargs = dict(max_new_tokens=30, do_sample=False, return_dict_in_generate=True, output_scores=True,
                   stopping_criteria=StoppingCriteriaList([StopAfterFiveScores()]))
     plain = plain_generate(model, PROMPT, **kwargs)
-    out, stats = _patched_generate(model, PROMPT, drafter=OracleDrafter(reference, 128), **kwargs)
+    out, stats = patched_generate(model, OracleDrafter(reference, 128), PROMPT, **kwargs)
     assert plain.sequences.shape[1] == PROMPT.shape[1] + 5
     assert out.sequences.tolist() == plain.sequences.tolist() and len(out.scores) == 5
     assert stats.tau > 1  # the five tokens came from fewer forwards
@@ -179,7 +170,7 @@ def test_sampling_consumes_the_rng_as_plain_does_when_eos_is_inside_a_draft():
     plain = plain_generate(model, PROMPT, eos_token_id=eos, **gen)
     plain_next = torch.rand(4)
     torch.manual_seed(11)
-    out, stats = _patched_generate(model, PROMPT, drafter=OracleDrafter(free, 128), eos_token_id=eos, **gen)
+    out, stats = patched_generate(model, OracleDrafter(free, 128), PROMPT, eos_token_id=eos, **gen)
     assert out.tolist() == plain.tolist()
     assert stats.accepted_draft_tokens >= 4  # the EOS was inside an accepted draft
     assert torch.equal(torch.rand(4), plain_next)

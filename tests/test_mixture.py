@@ -1,4 +1,4 @@
-"""MixtureDrafter: validity, dedup and attribution, cost model, calibration, gating, isolation."""
+"""MixtureDrafter: validity, dedup and attribution, cost model, calibration, gating, isolation, recycling, lookahead."""
 
 import numpy as np
 import pytest
@@ -7,7 +7,9 @@ from freespec.draft import Budget, Draft
 from freespec.drafters import make
 from freespec.drafters.base import ForwardReport
 from freespec.drafters.corpus import DocumentIndex
-from freespec.drafters.mixture import AcceptanceCalibrator, CostModel, MixtureDrafter
+from freespec.drafters.base import VerifyOutput
+from freespec.drafters.calibration import AcceptanceCalibrator, CostModel, DraftSizer
+from freespec.drafters.mixture import MixtureDrafter
 from freespec.drafters.suffix import RequestHistory
 
 RNG = np.random.default_rng(7)
@@ -37,13 +39,13 @@ def test_draft_is_valid_within_budget(budget, adaptive):
         assert draft.num_nodes == 0 or draft.confidence is not None
         if draft.num_nodes:
             assert np.all(draft.confidence[draft.parents[draft.parents >= 0]] >= draft.confidence[draft.parents >= 0])
-            assert set(draft.sources) <= {"suffix", "ngram"}
+            assert set(draft.sources) <= {"suffix", "ngram", "recycle"}
         drafter.extend("r", RNG.integers(10, 500, size=1 + step % 3))
     drafter.stop("r")
 
 
 def test_copies_a_repeat_whole():
-    drafter = MixtureDrafter()
+    drafter = MixtureDrafter(recycle=False)
     drafter.start("r", PROMPT)
     draft = drafter.propose("r", Budget(24, 12))
     assert draft.paths()[0][:12] == _true_next(12).tolist()
@@ -54,7 +56,7 @@ def test_dedup_across_sources_and_attribution():
     shared = RequestHistory(10_000)
     documents = DocumentIndex()
     documents.add(TEXT)
-    drafter = MixtureDrafter(history=shared, documents=documents, adaptive=False)
+    drafter = MixtureDrafter(history=shared, documents=documents, adaptive=False, recycle=False)
     drafter.start("old", PROMPT[:10])
     drafter.extend("old", TEXT[10:120])  # output: a later request finds TEXT in the shared corpus
     drafter.stop("old")
@@ -78,7 +80,7 @@ def test_dedup_across_sources_and_attribution():
 
 
 def test_add_documents_is_per_request():
-    drafter = MixtureDrafter()
+    drafter = MixtureDrafter(recycle=False)
     doc = np.arange(2000, 2040)
     drafter.start("a", [5, 6])
     drafter.add_documents("a", [doc])
@@ -90,8 +92,8 @@ def test_add_documents_is_per_request():
     drafter.stop("b")
 
 
-def test_no_cross_request_state_by_default():
-    drafter = MixtureDrafter(ngram=True)
+def test_no_tokens_cross_requests_with_recycle_shared_off():
+    drafter = MixtureDrafter(ngram=True, recycle_shared=False, lookahead=True)
     drafter.start("a", TEXT)
     drafter.extend("a", TEXT[:30])
     drafter.stop("a")
@@ -102,7 +104,7 @@ def test_no_cross_request_state_by_default():
         assert not set(draft.token_ids.tolist()) & (set(TEXT[20:].tolist()) - set(TEXT[:20].tolist()))
         drafter.extend("b", [9999])
     drafter.stop("b")
-    assert drafter.history is None and not drafter.ngram.shared
+    assert drafter.history is None and not drafter.ngram.shared and not drafter.recycle.shared
 
 
 def test_cost_model_fits_synthetic_timings():
@@ -117,8 +119,25 @@ def test_cost_model_fits_synthetic_timings():
         model.add(500, 9.0)  # a prefill: ignored
     for n in (2, 8, 16, 64):
         assert model.cost(n) == pytest.approx(1 + 0.1 * (n - 1), rel=0.1)
-    assert model.cost(12) == pytest.approx(2.1, rel=0.1)  # interpolated between 8 and 16
+    # 12 is a bucket of its own, unmeasured: a wide size reads the line between 8 and 16
+    assert model.cost(12) == pytest.approx(2.1, rel=0.1)
+    # 3 and 6 too, but small sizes are optimistic: never above the prior, never below their lower neighbour
+    assert model.cost(3) == pytest.approx(model.cost(2)) and model.cost(6) == pytest.approx(model.cost(4))
     assert model.cost(80) > model.cost(64)
+
+
+def test_cost_model_finds_a_cheap_size_between_dear_ones():
+    model = CostModel()
+    one_token_s = 0.1
+    true_cost = {1: 1.0, 2: 1.07, 3: 1.13, 4: 1.9, 8: 2.7}  # float32 on a CPU: the cliff at 4 (measured)
+    for n in (1, 2, 4, 8):
+        for _ in range(5):
+            model.add(n, one_token_s * true_cost[n])
+    assert model.cost(3) == pytest.approx(1.07)  # unmeasured: optimistic, so a drafter tries it
+    for _ in range(3):
+        model.add(3, one_token_s * true_cost[3])
+    assert model.cost(3) == pytest.approx(1.13) and model.cost(4) == pytest.approx(1.9)
+    assert model.costs(np.array([1, 3, 80])).tolist() == pytest.approx([1.0, 1.13, model.cost(80)])
 
 
 def test_cost_model_prior_until_measured_and_monotone():
@@ -152,11 +171,25 @@ def test_calibration_learns_synthetic_outcomes():
 
 
 def test_choose_size():
-    drafter = MixtureDrafter()  # prior cost c(n) = 1 + 0.03 (n - 1)
-    assert drafter._choose_size(np.array([0.9, 0.8, 0.1, 0.02]), 24) == 3
-    assert drafter._choose_size(np.array([0.9, 0.8, 0.1, 0.02]), 2) == 2
-    assert drafter._choose_size(np.array([0.02, 0.01]), 24) == 0
-    assert MixtureDrafter(adaptive=False)._choose_size(np.array([0.02, 0.01]), 24) == 2
+    sizer = DraftSizer()  # prior cost c(n) = 1 + 0.03 (n - 1)
+    chain = Draft.chain([5, 6, 7, 8])
+    probs = [0.9, 0.8, 0.1, 0.02]
+
+    def size(sizer, probs, num_nodes, extras=((0, 0.0),)):
+        draft = Draft(chain.token_ids[: len(probs)], np.arange(-1, len(probs) - 1), probs)
+        chosen, option = sizer.select("r", draft, [("k",)] * len(probs), Budget(num_nodes, 8), extras)
+        return chosen.num_nodes, option
+
+    assert size(sizer, probs, 24) == (3, 0)  # the worked example of DraftSizer's docstring
+    assert size(sizer, probs, 2) == (2, 0)
+    assert size(sizer, [0.02, 0.01], 24) == (0, 0)
+    assert size(DraftSizer(adaptive=False), [0.02, 0.01], 24) == (2, 0)
+    # not-candidate extras: worth it when their value beats their cost, skipped when over the budget
+    assert size(sizer, probs, 24, ((0, 0.0), (4, 0.5))) == (2, 1)  # 4.7 / c(7) beats 4.8 / c(8)
+    assert size(sizer, probs, 24, ((0, 0.0), (4, 0.001))) == (3, 0)
+    assert size(sizer, probs, 5, ((0, 0.0), (4, 0.5))) == (1, 1)
+    assert size(sizer, probs, 3, ((0, 0.0), (4, 0.5))) == (3, 0)
+    assert size(DraftSizer(adaptive=False), probs, 6, ((0, 0.0), (4, 0.0))) == (2, 1)
 
 
 def _run_steps(drafter, source_draft, truth_fn, num_steps, forward_s=lambda n: 0.05 * (1 + 0.06 * (n - 1))):
@@ -178,19 +211,19 @@ def _run_steps(drafter, source_draft, truth_fn, num_steps, forward_s=lambda n: 0
 
 def test_gating_drops_an_always_wrong_source():
     wrong = Draft.chain(list(range(100, 112)), score=1.0)  # confident, 12-token match, always wrong
-    sizes = _run_steps(MixtureDrafter(), wrong, lambda step: [7], 45)
+    sizes = _run_steps(MixtureDrafter(recycle=False), wrong, lambda step: [7], 45)
     assert sizes[0] == 12  # trusted at first (a long match)
     assert max(sizes[3:]) <= 3  # the tree shrinks after a few rejections
     assert sizes[-10:] == [0] * 10  # and is gated out: one node no longer pays c(2) / c(1)
     # without adaptive sizing it keeps proposing
-    sizes = _run_steps(MixtureDrafter(adaptive=False), wrong, lambda step: [7], 10)
+    sizes = _run_steps(MixtureDrafter(adaptive=False, recycle=False), wrong, lambda step: [7], 10)
     assert sizes == [12] * 10
 
 
 def test_always_right_source_keeps_full_trees():
     chain = list(range(100, 124))
     right = Draft.chain(chain, score=1.0)
-    sizes = _run_steps(MixtureDrafter(), right, lambda step: chain[:12] + [5], 30)
+    sizes = _run_steps(MixtureDrafter(recycle=False), right, lambda step: chain[:12] + [5], 30)
     assert sizes == [12] * 30  # the budget's depth caps the chain (the source returned 24 nodes)
 
 
@@ -198,7 +231,9 @@ def test_option_validation():
     for options in ({"adaptive": 1}, {"min_match": 0}, {"max_depth": 0}, {"min_prob": 1.5},
                     {"history_tokens": 1}, {"history_tokens": -3}, {"history": object()},
                     {"history": RequestHistory(100), "history_tokens": 100}, {"documents": [1, 2]},
-                    {"ngram": "yes"}, {"ngram_below": 0}, {"ngram_observe_top_k": -1}, {"prior_cost_slope": -1}):
+                    {"ngram": "yes"}, {"ngram_below": 0}, {"prior_cost_slope": -1}, {"recycle": 1},
+                    {"recycle_below": -1}, {"recycle_top_k": 0}, {"recycle_shared": "no"}, {"lookahead": "yes"},
+                    {"lookahead_window": 0}, {"lookahead_ngram": 1}, {"lookahead_guesses": 0}):
         with pytest.raises(ValueError):
             MixtureDrafter(**options)
     with pytest.raises(ValueError):
@@ -213,19 +248,71 @@ def test_option_validation():
         drafter.add_documents("other", [[1, 2, 3]])
 
 
-def test_observe_top_k_only_with_ngram_learning():
-    assert MixtureDrafter().observe_top_k == 0
-    assert MixtureDrafter(ngram=True, ngram_observe_top_k=8).observe_top_k == 8
+def test_observe_top_k_follows_the_sources():
+    assert MixtureDrafter().observe_top_k == 8
+    assert MixtureDrafter(recycle_top_k=4).observe_top_k == 4
+    assert MixtureDrafter(recycle=False).observe_top_k == 0
+    assert MixtureDrafter(recycle=False, lookahead=True).observe_top_k == 1
 
 
-def test_observe_feeds_the_ngram_table():
-    from freespec.drafters.base import VerifyOutput
-
-    drafter = MixtureDrafter(ngram=True, ngram_observe_top_k=2, adaptive=False)
+def test_observe_feeds_the_successor_table():
+    drafter = MixtureDrafter(recycle_top_k=2, adaptive=False)
     drafter.start("r", [1, 2, 3])
     draft = drafter.propose("r", Budget(8, 4))
     drafter.observe("r", VerifyOutput(draft, np.zeros(0, np.int64), np.array([[42, 43]] * (draft.num_nodes + 1))))
     drafter.extend("r", [5])
-    drafter.extend("r", [3])  # the context ends with 3 again: the table learned 3 -> 42 from the model
-    assert 42 in drafter.propose("r", Budget(8, 4)).token_ids.tolist()
+    drafter.extend("r", [3])  # the context ends with 3 again: the model said 3 -> 42, 43; the text 3 -> 5
+    draft = drafter.propose("r", Budget(8, 1))
+    assert sorted(draft.token_ids.tolist()) == [5, 42, 43] and set(draft.sources) == {"recycle"}
     drafter.stop("r")
+
+
+def test_recycle_below_keeps_long_matches_alone():
+    for below, expect in ((0, {"suffix", "recycle"}), (4, {"suffix"})):
+        drafter = MixtureDrafter(recycle_below=below, adaptive=False)
+        # a long match; the root TEXT[49] was also followed by 7 once: its text row is [7, TEXT[50]]
+        drafter.start("r", np.concatenate([TEXT, TEXT[49:50], [7], TEXT[:50]]))
+        assert set(drafter.propose("r", Budget(64, 12)).sources) == expect
+        drafter.stop("r")
+
+
+def test_lookahead_window_rides_as_not_candidates():
+    drafter = MixtureDrafter(lookahead=True, lookahead_window=3, lookahead_ngram=3, adaptive=False)
+    drafter.start("r", TEXT[:30])
+    budget = Budget(24, 12)
+    draft = drafter.propose("r", budget).validate(budget)
+    window = ~draft.candidate_mask()
+    assert window.sum() == 3  # one level until the first outputs come back
+    assert set(draft.sources[i] for i in np.nonzero(window)[0]) == {"lookahead"}
+    topk = np.tile(np.arange(600, 608), (draft.num_nodes + 1, 1))
+    drafter.observe("r", VerifyOutput(draft, np.zeros(0, np.int64), topk))
+    drafter.extend("r", [7])
+    draft = drafter.propose("r", budget).validate(budget)
+    assert (~draft.candidate_mask()).sum() == 6  # two levels now: the outputs became the second
+    drafter.stop("r")
+
+
+def test_batch_cost_model_borrows_from_batch_one_until_measured():
+    from freespec.drafters.calibration import BatchCostModel
+
+    model = BatchCostModel()
+    assert model.cost(5, 4) == pytest.approx((1 + 0.03 * 19) / (1 + 0.03 * 3))  # c_1(20) / c_1(4)
+    for width, seconds in ((1, 0.1), (4, 0.3), (16, 0.9)):  # batch 8: widths cost much more
+        for _ in range(3):
+            model.add(8, width, seconds)
+    assert model.cost(4, 8) == pytest.approx(3.0) and model.cost(16, 8) == pytest.approx(9.0)
+    assert model.cost(4, 6) == pytest.approx(3.0)  # 6 rows: the batch-8 bucket
+    assert model.cost(4, 1) == pytest.approx(1.09)  # batch 1 untouched
+    assert model.costs(np.array([4, 16]), 8).tolist() == pytest.approx([3.0, 9.0])
+
+
+def test_a_large_batch_drafts_less():
+    drafter = MixtureDrafter(recycle=False)
+    for width in (1, 2, 3, 4, 16):  # at batch 8, each token more per row costs half a forward
+        for _ in range(3):
+            drafter.on_forward(ForwardReport(tuple(range(8)), (width,) * 8, 0.1 * (1 + 0.5 * (width - 1))))
+    probs = [0.3, 0.2, 0.1]  # 0.6 expected tokens: worth 3 nodes at c_1 (the prior), nothing at c_8
+    draft = Draft([5, 6, 7], [-1, 0, 1], probs)
+    for batch_size, expect in ((1, 3), (8, 0)):
+        chosen, _ = drafter.sizer.select("r", draft, [("k",)] * 3, Budget(24, 8, batch_size))
+        assert chosen.num_nodes == expect

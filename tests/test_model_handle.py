@@ -9,29 +9,14 @@ import freespec
 from freespec.draft import Budget, Draft
 from freespec.drafters.base import Drafter
 from freespec.model_handle import SUPPORTED_MODEL_TYPES, DraftCache, ModelHandle, UnsupportedModel
-from freespec.models import tiny_random_gemma3, tiny_random_llama
-
-
-def tiny_qwen(version: int, seed: int = 0):
-    """A small random Qwen2 or Qwen3 causal LM (4 layers), float64, eval mode."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if version == 2 else (Qwen3Config, Qwen3ForCausalLM)
-    config = config_cls(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                        initializer_range=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=1,
-                        attn_implementation="sdpa", **({"head_dim": 16} if version == 3 else {}))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_cls(config)
-    return model.to(torch.float64).eval()
+from freespec.testing.models import tiny_random, tiny_random_gemma3, tiny_random_llama
 
 
 MODELS = {
     "llama": lambda: tiny_random_llama(num_hidden_layers=4),
     "gemma3_text": lambda: tiny_random_gemma3(),
-    "qwen2": lambda: tiny_qwen(2),
-    "qwen3": lambda: tiny_qwen(3),
+    "qwen2": lambda: tiny_random("qwen2", num_hidden_layers=4),
+    "qwen3": lambda: tiny_random("qwen3", num_hidden_layers=4),
 }
 
 
@@ -129,17 +114,25 @@ def test_unsupported_architectures_are_refused_for_model_drafters_only():
 
 
 class RecordsCache(Drafter):
-    """Records what the engine hands over before each propose."""
+    """A model drafter that records what the engine hands over before each propose."""
 
     name = "records-cache"
+    needs_model = True
 
     def __init__(self):
         super().__init__()
-        self.seen = []
+        self.seen = []  # (request, cache_len, context length, cached entries of layer 0)
+        self.keys = {}  # request -> layer 0's verified keys at the last propose
+
+    def attach_model(self, handle) -> None:
+        self.handle = handle
 
     def on_verified_cache(self, request_id, cache, cache_len):
         layer = cache.layers[0] if cache_len else None
-        self.seen.append((cache_len, len(self.context(request_id)), None if layer is None else layer.keys.shape[-2]))
+        self.seen.append((request_id, cache_len, len(self.context(request_id)),
+                          None if layer is None else layer.keys.shape[-2]))
+        if layer is not None:
+            self.keys[request_id] = layer.keys[..., :cache_len, :].clone()
 
     def _propose(self, request_id, budget: Budget) -> Draft:
         return Draft.empty()
@@ -150,6 +143,25 @@ def test_engine_hands_the_verified_cache_before_each_propose():
     drafter = RecordsCache()
     freespec.patch(model, drafter=drafter)
     model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=4, do_sample=False)
+    freespec.unpatch(model)
     # prefill: nothing cached yet; then every committed token but the pending one is cached
     # (the last step, with one token left, has no room for a draft and proposes nothing)
-    assert drafter.seen == [(0, 3, None), (3, 4, 3), (4, 5, 4)]
+    assert [seen[1:] for seen in drafter.seen] == [(0, 3, None), (3, 4, 3), (4, 5, 4)]
+
+
+def test_each_row_of_a_batch_gets_its_own_verified_cache():
+    """Left-padded rows: each view holds its row's text only (no pads), as that row alone would cache it."""
+    model = tiny_random_llama()
+    drafter = RecordsCache()
+    freespec.patch(model, drafter=drafter)
+    ids, mask = torch.tensor([[3, 4, 5, 6], [1, 1, 7, 8]]), torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=1)
+    freespec.unpatch(model)
+    requests = sorted({seen[0] for seen in drafter.seen}, key=lambda request: request[1])
+    assert [[seen[1:] for seen in drafter.seen if seen[0] == r] for r in requests] == [
+        [(0, 4, None), (4, 5, 4)], [(0, 2, None), (2, 3, 2)]]  # the last step has no room for a draft
+    for request, row, num_pads in zip(requests, out, (0, 2)):
+        keys = drafter.keys[request]
+        with torch.no_grad():
+            alone = model(row[None, num_pads: num_pads + keys.shape[-2]], use_cache=True).past_key_values
+        torch.testing.assert_close(keys, alone.layers[0].keys)

@@ -1,4 +1,4 @@
-"""freespec.models: the registry table, GGUF assembly and its checks, loading, tiny random models."""
+"""freespec.models (the registry table, GGUF assembly and its checks, loading) and freespec.testing.models."""
 
 import hashlib
 import re
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from freespec import models
+from freespec.testing.models import FAMILIES, tiny_random, tiny_random_gemma3, tiny_random_llama
 
 # From MODELS.md: the assembled files' sha256 "starts ..., ends ...".
 MODELS_MD_SHA256 = {
@@ -187,22 +188,17 @@ def test_missing_member_names_wheel_and_member(tmp_path, monkeypatch):
         models.assemble_gguf(entry, tmp_path)
 
 
-# --- a user's own model, resolve -------------------------------------------------------------
+# --- a user's own model ----------------------------------------------------------------------
 
 
-def test_load_directory_and_resolve(tmp_path):
-    model = models.tiny_random_llama(dtype=torch.float32)
+def test_load_directory(tmp_path):
+    model = tiny_random("llama", dtype=torch.float32)
     model.save_pretrained(tmp_path / "mine")
     loaded, tokenizer = models.load(str(tmp_path / "mine"))
     assert tokenizer is None  # the directory has no tokenizer files
     assert not loaded.training and loaded.config._attn_implementation == "sdpa"
     for key, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], tensor), key
-    pair = (model, "tokenizer")
-    assert models.resolve(pair) is pair
-    assert models.resolve(model) == (model, None)
-    with pytest.raises(ValueError, match="registered"):
-        models.resolve("no-such-model")
 
 
 # --- tiny random models ----------------------------------------------------------------------
@@ -210,8 +206,8 @@ def test_load_directory_and_resolve(tmp_path):
 
 def test_tiny_random_llama_is_deterministic():
     rng_state = torch.get_rng_state()
-    first, second = models.tiny_random_llama(seed=3), models.tiny_random_llama(seed=3)
-    other = models.tiny_random_llama(seed=4)
+    first, second = tiny_random_llama(seed=3), tiny_random("llama", seed=3)
+    other = tiny_random("llama", seed=4)
     assert torch.equal(torch.get_rng_state(), rng_state)  # the global RNG is untouched
     assert first.dtype == torch.float64 and not first.training
     assert first.config.vocab_size == 128 and first.config.eos_token_id is not None
@@ -222,12 +218,12 @@ def test_tiny_random_llama_is_deterministic():
     input_ids = torch.arange(2, 20).unsqueeze(0)
     with torch.no_grad():
         assert torch.equal(first(input_ids).logits, second(input_ids).logits)
-    small = models.tiny_random_llama(vocab_size=50, num_hidden_layers=1)
+    small = tiny_random("llama", vocab_size=50, num_hidden_layers=1)
     assert small.config.vocab_size == 50 and small.config.num_hidden_layers == 1
 
 
 def test_tiny_random_gemma3_has_sliding_window_layers():
-    first, second = models.tiny_random_gemma3(seed=1), models.tiny_random_gemma3(seed=1)
+    first, second = tiny_random_gemma3(seed=1), tiny_random("gemma3", seed=1)
     config = first.config
     assert {"sliding_attention", "full_attention"} <= set(config.layer_types)
     assert config.sliding_window == 8 and config._attn_implementation == "sdpa"
@@ -237,6 +233,30 @@ def test_tiny_random_gemma3_has_sliding_window_layers():
     assert logits.shape == (1, input_ids.shape[1], config.vocab_size) and torch.isfinite(logits).all()
     with torch.no_grad():
         assert torch.equal(logits, second(input_ids).logits)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_tiny_family_builds_a_working_causal_lm(family):
+    model = tiny_random(family, vocab_size=64, seed=2, dtype=torch.float32)
+    assert model.config.model_type == FAMILIES[family].model_type and model.config.vocab_size == 64
+    wanted = FAMILIES[family].config.get("attn_implementation", "sdpa")  # eager where transformers has no sdpa
+    assert model.dtype == torch.float32 and not model.training and model.config._attn_implementation == wanted
+    assert model.config.eos_token_id is not None
+    input_ids = torch.arange(3, 23).unsqueeze(0)
+    with torch.no_grad():
+        logits = model(input_ids).logits
+    assert logits.shape == (1, 20, 64) and torch.isfinite(logits).all()
+
+
+def test_tiny_random_bad_input_names_the_argument():
+    with pytest.raises(ValueError, match="family=.gpt9. is unknown; known: bloom, "):
+        tiny_random("gpt9")
+    with pytest.raises(ValueError, match="no field.*num_hidden_layer$"):
+        tiny_random("llama", num_hidden_layer=1)  # misspelt: would be kept and ignored
+    with pytest.raises(ValueError, match="dtype"):
+        tiny_random("llama", dtype=torch.int64)
+    with pytest.raises(ValueError, match="vocab_size"):
+        tiny_random("llama", vocab_size=0)
 
 
 # --- the real small model --------------------------------------------------------------------

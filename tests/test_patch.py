@@ -7,7 +7,6 @@ import torch
 
 import freespec
 from freespec import SpecConfig
-from freespec.models import tiny_random_llama
 
 from conftest import plain_generate
 
@@ -15,11 +14,8 @@ PROMPT = torch.tensor([[0, 5, 9, 13, 5, 9, 13, 5, 9, 21, 30, 5, 9]])
 
 
 @pytest.fixture
-def model():
-    m = tiny_random_llama(seed=2)
-    yield m
-    if freespec.integrations.transformers.is_patched(m):
-        freespec.unpatch(m)
+def model(fresh_llama):
+    return fresh_llama
 
 
 def test_patch_unpatch_roundtrip(model):
@@ -74,7 +70,6 @@ def test_empty_prompt_and_zero_new_tokens(model):
 
 @pytest.mark.parametrize("kwargs, reason", [
     (dict(num_beams=2), "beam search"),
-    (dict(num_return_sequences=2, do_sample=True), "num_return_sequences"),
     (dict(prompt_lookup_num_tokens=3), "prompt lookup"),
     (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
     (dict(use_cache=False), "use_cache=False"),
@@ -96,13 +91,13 @@ def test_unsupported_modes_fall_back_with_one_warning(model, kwargs, reason, cap
     assert len([r for r in caplog.records if "falling back" in r.getMessage()]) == 1
 
 
-def test_batch_falls_back_and_matches(model):
+def test_a_batch_speculates_and_matches(model):
     batch = torch.cat([PROMPT, PROMPT.flip(1)])
     plain = plain_generate(model, batch, max_new_tokens=8, do_sample=False)
     freespec.patch(model)
     out = model.generate(batch, max_new_tokens=8, do_sample=False)
     assert out.tolist() == plain.tolist()
-    assert "batch size 2" in freespec.stats(model).fallback_reason
+    assert freespec.stats(model).fallback_reason is None and freespec.stats(model).row_forwards >= 2
 
 
 def test_user_cache_falls_back(model):
@@ -166,7 +161,8 @@ def test_drafter_instance_is_reused_across_calls(model):
 def test_documents_feed_the_drafter_and_keep_output_exact(model, drafter):
     plain = plain_generate(model, PROMPT, max_new_tokens=40, do_sample=False)
     continuation = plain[0, PROMPT.shape[1]:].tolist()
-    freespec.patch(model, drafter=drafter)
+    # a fixed budget: the mixture's live cost model would make the tau below depend on the machine's load
+    freespec.patch(model, drafter=drafter, adaptive_budget=False)
     out = model.generate(PROMPT, max_new_tokens=40, do_sample=False, documents=[[7, 7] + continuation + [3]])
     assert out.tolist() == plain.tolist()
     with_docs = freespec.stats(model).tau

@@ -12,7 +12,7 @@ from freespec.bench.replay import accepted_path, load_traces, replay_one, replay
 from freespec.draft import Budget, Draft
 from freespec.drafters import make
 from freespec.drafters.base import Drafter
-from freespec.drafters.testing import OracleDrafter, WrongDrafter
+from freespec.testing.drafters import OracleDrafter, WrongDrafter
 
 
 class PerPromptReference(Drafter):
@@ -133,9 +133,9 @@ def test_replay_equals_the_engine_on_a_tiny_model():
     import torch
 
     import freespec
-    from freespec import models
+    from freespec.testing.models import tiny_random
 
-    model = models.tiny_random_llama(vocab_size=64)
+    model = tiny_random("llama", vocab_size=64)
     prompt = [0, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
     config = SpecConfig(drafter="prompt_lookup", drafter_options={"min_match": 1}, max_draft_tokens=8,
                         max_draft_depth=4, adaptive_budget=False)
@@ -151,6 +151,67 @@ def test_replay_equals_the_engine_on_a_tiny_model():
     result = replay_tau(traces, lambda: make("prompt_lookup", min_match=1), config)
     assert result["overall"]["forwards"] == stats.forward_passes
     assert result["overall"]["draft_tokens"] == stats.draft_tokens
+
+
+class NextTwo(Drafter):
+    """The docstring's drafter: the true next two tokens of output [5, 6, 7, 8] after a one-token prompt."""
+
+    name = "next-two"
+
+    def __init__(self):
+        super().__init__()
+        self.reports = []
+
+    def on_forward(self, report):
+        self.reports.append(report)
+
+    def _propose(self, request_id, budget):
+        n = len(self.context(request_id)) - 1
+        return Draft.chain([5, 6, 7, 8][n:n + min(2, budget.max_depth)])
+
+
+def test_simulated_time_of_the_docstring_example():
+    from freespec.bench.cost import CostCurve
+    from freespec.drafters.base import ForwardReport
+
+    curve = CostCurve.parse("1:1,2:1.1,4:1.3", one_token_ms=10)  # c(k) = 1 + 0.1 (k - 1)
+    drafter = NextTwo()
+    result = replay_tau([_trace([1], [5, 6, 7, 8], 100)], lambda: drafter, SpecConfig(), curve)
+    overall = result["overall"]
+    # forward 1 (prefill) feeds the prompt + 2 nodes: c(3) = 1.2 -> 12 ms; forward 2 feeds 1 + 1 node: 11 ms
+    assert overall["forwards"] == 2 and overall["forward_s"] == pytest.approx(0.023)
+    # plain decoding: the prefill of the 1-token prompt, then 3 forwards of one token: 4 x 10 ms
+    assert overall["plain_s"] == pytest.approx(0.040)
+    assert 0 < overall["drafter_s"] < 0.05  # measured: start, propose, on_forward, extend, stop
+    assert overall["simulated_s"] == pytest.approx(overall["forward_s"] + overall["drafter_s"])
+    assert overall["tokens_per_s"] == pytest.approx(4 / overall["simulated_s"])
+    assert overall["plain_tokens_per_s"] == pytest.approx(100.0)
+    assert overall["speedup"] == pytest.approx(0.040 / overall["simulated_s"])
+    assert drafter.reports == [ForwardReport((("replay", 0),), (3,), pytest.approx(0.012), True),
+                               ForwardReport((("replay", 0),), (2,), pytest.approx(0.011), False)]
+    assert result["per_category"]["c"]["forward_s"] == pytest.approx(0.023)
+
+
+def test_without_a_curve_there_is_no_simulated_time():
+    drafter = NextTwo()
+    result = replay_tau([_trace([1], [5, 6, 7, 8], 100)], lambda: drafter, SpecConfig())
+    assert drafter.reports == [] and result["overall"]["forward_s"] == 0.0
+    assert "tokens_per_s" not in result["overall"] and "speedup" not in result["overall"]
+    assert any("without a cost curve" in note for note in result["notes"])  # NextTwo overrides on_forward
+
+
+def test_mixture_sizes_its_trees_for_the_simulated_machine():
+    """An adaptive drafter learns c(k) from on_forward: on a machine where wide forwards are dear it drafts less."""
+    from freespec.bench.cost import CostCurve
+
+    block = list(range(11, 27))
+    novel = [list(range(100 + 40 * i, 120 + 40 * i)) for i in range(6)]  # one-token forwards: c(1) gets measured
+    traces = [_trace([1] + block * 2, novel[i] + block * 2 + novel[i][:10], 200) for i in range(6)]
+    config = SpecConfig(drafter="mixture")
+    cheap = replay_tau(traces, lambda: make("mixture"), config, CostCurve.parse("1:1,64:1.05"))
+    dear = replay_tau(traces, lambda: make("mixture"), config, CostCurve.parse("1:1,2:3,64:60"))
+    assert cheap["overall"]["draft_tokens"] > 1.4 * dear["overall"]["draft_tokens"]
+    assert cheap["overall"]["tau"] > 1.4 * dear["overall"]["tau"]
 
 
 def test_load_traces_checks_records(tmp_path):
@@ -184,7 +245,34 @@ def test_replay_cli(tmp_path, capsys):
     saved = json.loads(out_json.read_text())
     assert saved["results"]["prompt_lookup"]["per_category"]["none"]["tau"] == 1.0
     assert saved["results"]["prompt_lookup{min_match=1,max_draft_depth=2}"]["config"]["max_draft_depth"] == 2
+    assert saved["cost_curve"] is None and "tau only" in text
     assert main(["replay", str(path), "--drafters", "no_such_drafter"]) == 2
+
+    code = main(["replay", str(path), "--drafters", "prompt_lookup,suffix", "--cost-curve", "1:1,2:1.1,64:2",
+                 "--one-token-ms", "20", "--json", str(out_json)])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert "SIMULATED" in text and "simulated tokens/s" in text and "simulated speedup" in text
+    assert "plain" in text and "--cost-curve 1:1,2:1.1,64:2" in text and "20.00 ms" in text
+    saved = json.loads(out_json.read_text())
+    assert saved["cost_curve"]["one_token_ms"] == 20.0 and saved["cost_curve"]["sizes"] == [1, 2, 64]
+    none = saved["results"]["prompt_lookup"]["per_category"]["none"]  # no match: plain decoding's forwards
+    assert none["speedup"] < 1.0 and none["forward_s"] == pytest.approx(none["plain_s"])
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--one-token-ms", "5"], "--one-token-ms scales a cost curve"),
+    (["--cost-curve", "1:1", "--one-token-ms", "-3"], "--one-token-ms must be a positive"),
+    (["--cost-curve", "1:1,2:x"], "--cost-curve: '2:x' is not k:c"),
+    (["--cost-curve", "nothing-here.json"], "--cost-curve: cannot read"),
+])
+def test_replay_cli_bad_cost_arguments(tmp_path, capsys, extra, message):
+    from freespec.cli import main
+
+    path = tmp_path / "traces.jsonl"
+    path.write_text(json.dumps(_trace([1, 2], [3], 4)) + "\n")
+    assert main(["replay", str(path), "--drafters", "prompt_lookup"] + extra) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_budget_is_the_engines(tiny_llama):

@@ -5,7 +5,9 @@ On a tiny random model with an 8-token vocabulary, the exact distribution of
 two-token continuations (EOS after one token included) is enumerated from
 the model with the same warpers generate() applies (temperature, top-k,
 top-p, repetition penalty). Then N = 2000 continuations are sampled with a
-fixed seed through (a) a chain draft, (b) a tree draft, (c) plain sampling.
+fixed seed through (a) a chain draft, (b) a tree draft, (c) plain sampling,
+(d) token recycling and (e) the mixture with a lookahead window (both
+deterministic drafts learned from earlier calls' top-k).
 
 Thresholds (documented): Pearson's chi-square against the exact
 distribution, cells with expected count < 5 pooled, must have p > 1e-3, and
@@ -23,7 +25,9 @@ import torch
 import freespec
 from freespec.draft import Budget, Draft
 from freespec.drafters.base import Drafter
-from freespec.models import tiny_random_llama
+from freespec.drafters.mixture import MixtureDrafter
+from freespec.drafters.recycle import RecycleDrafter
+from freespec.testing.models import tiny_random_llama
 
 from conftest import plain_generate
 
@@ -122,7 +126,7 @@ def _likely_chain(exact):
     return Draft.chain(list(best))
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree", "plain"])
+@pytest.mark.parametrize("mode", ["chain", "tree", "plain", "recycle", "mixture-lookahead"])
 def test_sampled_distribution_is_exact(model, mode):
     prompt = torch.tensor([[0, 3, 5, 2, 6, 3]])
     exact = _exact_distribution(model, prompt)
@@ -140,9 +144,15 @@ def test_sampled_distribution_is_exact(model, mode):
                 token_ids.append(c)
                 parents.append(node)
         drafter = FixedDrafter(Draft(np.array(token_ids), np.array(parents)))
+    elif mode == "recycle":  # trees from the target's own top-k of earlier calls (one shared table)
+        drafter = RecycleDrafter(adaptive=False)
+    elif mode == "mixture-lookahead":  # recycled trees beside a lookahead window of not-candidate nodes
+        drafter = MixtureDrafter(lookahead=True, lookahead_window=2, lookahead_ngram=2, adaptive=False)
     else:
         drafter = None
     counts = _sample(model, prompt, drafter)
+    if drafter is not None and mode not in ("chain", "tree"):
+        assert (drafter.recycle.table_for(None).model >= 0).any()  # it learned, so later calls drafted
     tv = 0.5 * sum(abs(counts.get(k, 0) / N - v) for k, v in exact.items())
     p_value = _chi_square_p(counts, exact, N)
     assert tv < 0.1, f"total variation {tv:.3f}"

@@ -94,8 +94,16 @@ def test_worker_overlap_mode_keeps_contexts_in_sync(results):
     _report(results, "worker_overlap_mode_keeps_contexts_in_sync")
 
 
+def test_worker_never_drafts_image_padding(results):
+    _report(results, "worker_never_drafts_image_padding")
+
+
 def test_same_format_as_sglang_cpp_corpus(results):
     _report(results, "same_format_as_sglang_cpp_corpus")
+
+
+def test_bench_runs_beside_the_cpp_corpus(results):
+    _report(results, "bench_runs_beside_the_cpp_corpus")
 
 
 def test_unregister_restores_sglang(results):
@@ -246,7 +254,7 @@ def cli_flags_parse_and_export():
         os.environ.pop(key, None)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "cfg.json"
-        cfg.write_text(json.dumps({"drafter": "suffix", "drafter_options": {"max_match": 7}}))
+        cfg.write_text(json.dumps({"drafter": "suffix", "drafter_options": {"prompt_lookup": {"max_match": 7}}}))
         argv = ["--model-path", "/nonexistent/model", "--device", "cpu", "--speculative-algorithm", "NGRAM",
                 "--speculative-num-draft-tokens", "8", "--freespec-drafter", "prompt_lookup",
                 "--freespec-config", str(cfg)]
@@ -262,19 +270,33 @@ def cli_flags_parse_and_export():
                                           capacity=1000, max_trie_depth=18, draft_token_num=8,
                                           external_sam_budget=0, external_corpus_max_tokens=100)
         assert corpus.drafter_name == "prompt_lookup" and corpus.drafter.max_match == 7
-        cfg.write_text(json.dumps({"drafter_options": {"no_such_option": 1}}))
-        try:
-            prepare_server_args(argv)
-            raise AssertionError("bad drafter options were accepted")
-        except ValueError as exc:
-            assert "no_such_option" in str(exc), str(exc)
+        for options, message in (({"prompt_lookup": {"no_such_option": 1}}, "has no option 'no_such_option'"),
+                                 ({"mixture": {"max_match": 16}}, "drafter 'mixture' has no option 'max_match'"),
+                                 ({"max_match": 16}, "'max_match' is not a drafter")):
+            cfg.write_text(json.dumps({"drafter_options": options}))
+            try:
+                prepare_server_args(argv)  # a section of another drafter than the one served is checked too
+                raise AssertionError(f"bad drafter options were accepted: {options}")
+            except ValueError as exc:
+                assert message in str(exc) and str(cfg) in str(exc), str(exc)
+        # launch.sh mixture: the example file with another drafter on the command line
+        example = HERE.parent / "examples" / "sglang" / "freespec.json"
+        for drafter in ("mixture", "suffix", "corpus"):
+            prepare_server_args(argv[:-4] + ["--freespec-drafter", drafter, "--freespec-config", str(example)])
+            corpus = ngram_worker.NgramCorpus(max_trie_depth=18, draft_token_num=8)
+            assert corpus.drafter_name == drafter, corpus.drafter_name
+            assert getattr(corpus.drafter, "adaptive", False) is False
     for key in ("FREESPEC_SGLANG", "FREESPEC_SGLANG_DRAFTER", "FREESPEC_SGLANG_CONFIG"):
         os.environ.pop(key, None)
 
 
 def _fake_batch(requests, spec_info=None):
-    reqs = [SimpleNamespace(rid=rid, origin_input_ids=array("i", prompt), output_ids=list(output))
-            for rid, prompt, output in requests]
+    """Requests as SGLang's Req holds them: (rid, prompt, output[, unpadded prompt of a multimodal request])."""
+    reqs = []
+    for rid, prompt, output, *unpadded in requests:
+        padded = array("q", prompt)
+        reqs.append(SimpleNamespace(rid=rid, origin_input_ids=padded, output_ids=array("q", output),
+                                    origin_input_ids_unpadded=array("q", unpadded[0]) if unpadded else padded))
     return SimpleNamespace(reqs=reqs, spec_info=spec_info, grammar_needs_sync=lambda: False)
 
 
@@ -324,8 +346,8 @@ def worker_prepares_drafts_through_the_plugin():
     assert positions[:d].tolist() == [40, 41, 42, 43, 44, 45] and positions[d:].tolist() == [10] + [11] * 5
 
     # next step: three tokens accepted for a, one for b; b leaves after it
-    batch.reqs[0].output_ids += [52, 53, 54]
-    batch.reqs[1].output_ids += [7]
+    batch.reqs[0].output_ids.extend([52, 53, 54])
+    batch.reqs[1].output_ids.extend([7])
     worker._update_ngram_corpus(batch)  # batch_put of the tails: accepted
     tokens, mask = worker._prepare_draft_tokens(batch)
     check_sglang_tree(tokens, mask, [54, 7], d)
@@ -355,13 +377,44 @@ def worker_overlap_mode_keeps_contexts_in_sync():
         accept_tokens = torch.zeros(d, dtype=torch.int64)
         accept_tokens[: len(pending)] = torch.tensor(pending)
         batch.spec_info = SimpleNamespace(accept_tokens=accept_tokens, accept_lens=torch.tensor([len(pending)]))
-        batch.reqs[0].output_ids = list(output)
+        batch.reqs[0].output_ids = array("q", output)
         tokens, mask = worker._prepare_draft_tokens(batch)
         check_sglang_tree(tokens, mask, [pending[-1]], d)
         assert worker.ngram_corpus.drafter.context("r").tolist() == prompt + output + pending
         output += pending
         pending = [int(t) for t in rng.integers(1, 30, int(rng.integers(1, d + 1)))]
     assert worker.ngram_corpus.num_restarts == 0
+
+
+@check
+def worker_never_drafts_image_padding():
+    """A multimodal prompt: origin_input_ids hold padding values >= 1,000,000 over each image."""
+    from sglang.srt.managers.schedule_batch import MM_PAD_SHIFT_VALUE
+    from test_sglang_adapter import check_sglang_tree
+
+    from freespec.integrations.sglang import draft_server, hooks
+
+    assert MM_PAD_SHIFT_VALUE == draft_server.SGLANG_PAD_START
+    d, depth, image = 8, 16, 151655
+    worker = _worker(d, depth)
+    worker.model_runner = SimpleNamespace(model_config=SimpleNamespace(vocab_size=151936))
+    phrase = [10, 11, 12, 13]
+    unpadded = [image] + phrase + [image] + phrase[:2]
+    padded = [MM_PAD_SHIFT_VALUE + 17] * 4 + phrase + [MM_PAD_SHIFT_VALUE + 3001] * 4 + phrase[:2]
+    batch = _fake_batch([("mm", padded, [12, 13], unpadded)])
+    tokens, mask = worker._prepare_draft_tokens(batch)
+    ((drafted, _),) = check_sglang_tree(tokens, mask, [13], d)
+    assert drafted == [image, 10, 11, 12, 13], drafted  # from the unpadded prompt
+    corpus = worker.ngram_corpus
+    assert corpus.vocab_size == 151936 and corpus.drafter.context("mm").tolist() == unpadded + [12, 13]
+    assert corpus.num_restarts == 0 and not hooks._worker_reads_unpadded  # 0.5.21 counts padded ids
+
+    # no unpadded prompt at all (a corpus restarted from the tail alone): padding is still never drafted
+    corpus.reset()
+    tail = (padded + [12, 13])[-depth:]
+    tokens, mask = corpus.batch_get(["mm"], [tail], [len(padded) + 2])
+    ((drafted, _),) = check_sglang_tree(tokens, mask, [13], d)
+    assert all(t < 151936 for t in drafted) and corpus.drafter.context("mm").max() == 151936
 
 
 @check
@@ -408,6 +461,20 @@ def same_format_as_sglang_cpp_corpus():
     for corpus in (cpp, ours):
         corpus.erase_match_state(list(sequences))
         corpus.reset()
+
+
+@check
+def bench_runs_beside_the_cpp_corpus():
+    from freespec.integrations.sglang import DraftServer, bench
+
+    try:
+        cpp = bench.sglang_corpus(12, 8)
+    except Exception as exc:  # the C++ JIT build needs a compiler and tvm-ffi
+        raise Skip(f"SGLang's C++ NgramCorpus cannot be built here: {type(exc).__name__}: {exc}") from None
+    assert not isinstance(cpp, DraftServer)  # SGLang's own, though the plugin's hooks are installed
+    rows = bench.run([2], ["suffix"], steps=3, prompt_len=100, num_draft_tokens=8, depth=12, seed=0, forward_ms=0.0)
+    assert [r["corpus"] for r in rows] == ["sglang C++ NgramCorpus", "freespec adapter only", "freespec suffix"]
+    assert "| 1.00 |" in bench.table(rows).splitlines()[2]
 
 
 @check

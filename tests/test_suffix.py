@@ -4,10 +4,6 @@ Tests whose name holds ``kernel`` are rerun with ``NUMBA_DISABLE_JIT=1`` in a
 subprocess, so the kernels' Python path runs (and is covered) too.
 """
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -21,6 +17,7 @@ from freespec.kernels.suffix_continuations import continuation_tree
 from freespec.kernels.suffix_match import advance_match, occurrence_ends
 
 import naive
+from conftest import rerun_kernel_tests_without_jit
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -129,12 +126,7 @@ def test_kernel_bad_input():
 
 
 def test_kernels_under_disable_jit():
-    if os.environ.get("NUMBA_DISABLE_JIT") == "1":
-        pytest.skip("already the Python path")
-    env = dict(os.environ, NUMBA_DISABLE_JIT="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "kernel",
-                             os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rerun_kernel_tests_without_jit(__file__)
 
 
 # ------------------------------------------------------------------------ the drafter

@@ -41,7 +41,9 @@ def load(args):
 
     dtype = getattr(torch, args.dtype)
     if args.tiny:
-        model = models.tiny_random_llama(vocab_size=256, num_hidden_layers=8, dtype=dtype)
+        from freespec.testing.models import tiny_random_llama
+
+        model = tiny_random_llama(vocab_size=256, num_hidden_layers=8, dtype=dtype)
         rng = np.random.default_rng(0)
         base = rng.integers(2, 256, 12).tolist()
         prompts = [base + rng.integers(2, 256, 4).tolist() for _ in range(args.prompts)]
@@ -120,13 +122,29 @@ def main(argv=None) -> dict:
     if not 0 < args.calibration_prompts < args.prompts:
         parser.error("need 0 < --calibration-prompts < --prompts")
 
-    import freespec
-    from freespec.drafters.early_exit import EarlyExitDrafter
     from freespec.drafters.mixture import MixtureDrafter
 
     model, _, prompts = load(args)
     calibration, timed = prompts[: args.calibration_prompts], prompts[args.calibration_prompts:]
-    outputs = [timed_generate(model, p, args.max_new_tokens)[0] for p in calibration]
+    drafter, setting, break_even, reuse = calibrate_and_report(model, calibration, args.max_new_tokens)
+    mixture = MixtureDrafter(early_exit=True)
+    mixture.early_exit = drafter  # the calibrated one
+    summary = compare(model, {"vanilla": None, "early_exit": drafter, "mixture+early_exit": mixture}, timed,
+                      args.max_new_tokens)
+    result = {"args": vars(args), "device": str(model.device), "setting": setting.to_json(),
+              "break_even_tau": break_even, "reuse": reuse, "methods": summary}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def calibrate_and_report(model, calibration: list, max_new_tokens: int):
+    """(the calibrated drafter, its setting, the break-even tau, the reuse bound), printed as it goes."""
+    import freespec
+    from freespec.drafters.early_exit import EarlyExitDrafter
+
+    outputs = [timed_generate(model, p, max_new_tokens)[0] for p in calibration]
     drafter = EarlyExitDrafter(cache_calibration=False)
     freespec.patch(model, drafter=drafter)
     setting = drafter.calibrate([p + o for p, o in zip(calibration, outputs)], [len(p) for p in calibration])
@@ -144,17 +162,20 @@ def main(argv=None) -> dict:
           f"{100 * (1 - reuse['saving']):.0f}% of the full one: the most reusing the draft's entries below that "
           f"layer could save (the last chain node and the siblings were never fed: they would need a pass "
           f"through those layers first)")
+    return drafter, setting, break_even, reuse
 
-    mixture = MixtureDrafter(early_exit=True)
-    mixture.early_exit = drafter  # the calibrated one
-    methods = {"vanilla": None, "early_exit": drafter, "mixture+early_exit": mixture}
+
+def compare(model, methods: dict, prompts: list, max_new_tokens: int) -> dict:
+    """Each method (name -> drafter, None: plain) on every prompt, interleaved; tokens/s, tau, identical outputs."""
+    import freespec
+
     rows = {name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "outputs": []} for name in methods}
-    for index, prompt in enumerate(timed):
+    for index, prompt in enumerate(prompts):
         for name in (list(methods) if index % 2 == 0 else list(methods)[::-1]):
             if methods[name] is not None:
                 freespec.patch(model, drafter=methods[name])
             try:
-                new, seconds, stats = timed_generate(model, prompt, args.max_new_tokens)
+                new, seconds, stats = timed_generate(model, prompt, max_new_tokens)
             finally:
                 if methods[name] is not None:
                     freespec.unpatch(model)
@@ -164,22 +185,16 @@ def main(argv=None) -> dict:
             row["forwards"] += stats.forward_passes if stats is not None else len(new)
             row["outputs"].append(new)
     reference = rows["vanilla"]["outputs"]
-    for row in rows.values():
-        row["identical"] = sum(a == b for a, b in zip(row.pop("outputs"), reference))
     base = rows["vanilla"]["tokens"] / rows["vanilla"]["seconds"]
     summary = {}
     for name, row in rows.items():
+        identical = sum(a == b for a, b in zip(row.pop("outputs"), reference))
         rate = row["tokens"] / row["seconds"]
         summary[name] = {"tokens_per_s": rate, "speedup": rate / base, "tau": row["tokens"] / max(row["forwards"], 1),
-                         "identical": f"{row['identical']}/{len(timed)}"}
+                         "identical": f"{identical}/{len(prompts)}"}
         print(f"{name:>20}: {rate:7.2f} tokens/s  {rate / base:5.2f}x  tau {summary[name]['tau']:.2f}  "
               f"greedy identical {summary[name]['identical']}")
-    result = {"args": vars(args), "device": str(model.device), "setting": setting.to_json(),
-              "break_even_tau": break_even, "reuse": reuse, "methods": summary}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    return summary
 
 
 if __name__ == "__main__":

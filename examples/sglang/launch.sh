@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # SGLang server whose NGRAM drafts come from a freespec drafter.
 #   MODEL=/path/to/Qwen2.5-0.5B-Instruct bash examples/sglang/launch.sh [DRAFTER]
-# The drafter on the command line overrides the config file's "drafter".
+# The drafter on the command line overrides the config file's "drafter" and takes that
+# drafter's own section of its "drafter_options" (its defaults when the file has none).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 : "${MODEL:?set MODEL to a local model path}"

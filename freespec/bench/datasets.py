@@ -13,7 +13,7 @@ the history, so an item of three turns is three prompts.
   whole function", on functions of the Python standard library read with
   ``inspect.getsource``; category = kind of change (``rename``,
   ``add-parameter``, ``fix-bug``, ``type-hints``, ``docstring``,
-  ``change-constant``);
+  ``change-constant``); each item's prediction is the code shown;
 - ``builtin:rag``: a question answered from 2-4 supplied documents cut from
   the docstrings of standard-library modules; category = kind of question
   (``quote``, ``explain``, ``summarize``);
@@ -31,7 +31,6 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
-import json
 import random
 import re
 import textwrap
@@ -39,22 +38,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from .jsonl import read_jsonl
+
 
 @dataclass(frozen=True)
 class Item:
     """One conversation: ``turns`` are the user's messages, in order.
 
     ``turn_categories`` overrides ``category`` per turn (multi-turn-edit
-    reports each turn position apart).
+    reports each turn position apart). ``predictions``: per turn, a text the
+    answer is expected to mostly repeat (code-edit: the code shown), or None;
+    methods with ``{prediction=true}`` pass it as ``generate(prediction=...)``.
     """
 
     item_id: str
     category: str
     turns: tuple[str, ...]
     turn_categories: tuple[str, ...] | None = None
+    predictions: tuple[str | None, ...] | None = None
 
     def category_of(self, turn: int) -> str:
         return self.turn_categories[turn] if self.turn_categories else self.category
+
+    def prediction_of(self, turn: int) -> str | None:
+        return self.predictions[turn] if self.predictions and turn < len(self.predictions) else None
 
 
 BUILTIN = ("code-edit", "rag", "multi-turn-edit")
@@ -108,28 +115,27 @@ def round_robin(items: list[Item], limit: int) -> list[Item]:
 
 
 def read_spec_bench(path: str | Path) -> list[Item]:
-    """Items of a Spec-Bench JSONL file (``question_id``, ``category``, ``turns``)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"dataset file {str(path)!r} does not exist (or use builtin:{'|'.join(BUILTIN)})")
-    items = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                turns = record["turns"]
-                if isinstance(turns, str):
-                    turns = [turns]
-                if not turns or not all(isinstance(t, str) for t in turns):
-                    raise ValueError("turns must be a non-empty list of strings")
-                items.append(Item(str(record["question_id"]), str(record.get("category", "all")), tuple(turns)))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{line_no}: not a Spec-Bench record ({exc})") from None
-    if not items:
-        raise ValueError(f"dataset file {str(path)!r} holds no items")
-    return items
+    """Items of a Spec-Bench JSONL file (``question_id``, ``category``, ``turns``, and an optional
+    ``prediction``: a text for the first turn, or a list of texts or nulls, one per turn)."""
+    return read_jsonl(path, spec_bench_item, "Spec-Bench record",
+                      missing_hint=f" (or use builtin:{'|'.join(BUILTIN)})")
+
+
+def spec_bench_item(record: dict) -> Item:
+    """``{"question_id": 7, "category": "qa", "turns": ["hi"]}`` -> ``Item("7", "qa", ("hi",))``."""
+    turns = record["turns"]
+    if isinstance(turns, str):
+        turns = [turns]
+    if not turns or not all(isinstance(t, str) for t in turns):
+        raise ValueError("turns must be a non-empty list of strings")
+    predictions = record.get("prediction")
+    if isinstance(predictions, str):
+        predictions = [predictions]
+    if predictions is not None and not (isinstance(predictions, list)
+                                        and all(p is None or isinstance(p, str) for p in predictions)):
+        raise ValueError("prediction must be a string or a list of strings or nulls, one per turn")
+    return Item(str(record["question_id"]), str(record.get("category", "all")), tuple(turns),
+                predictions=tuple(predictions) if predictions else None)
 
 
 # --------------------------------------------------------------------------- code sources
@@ -286,7 +292,7 @@ def code_edit_items() -> list[Item]:
         counts[kind] += 1
         code, instruction = edits[kind]
         items.append(Item(f"code-edit-{i:03d}-{src.module}.{src.qualname}", kind,
-                          (_edit_prompt(src, code, instruction),)))
+                          (_edit_prompt(src, code, instruction),), predictions=(code,)))
     return items
 
 

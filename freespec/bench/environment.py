@@ -1,4 +1,10 @@
-"""Where a benchmark ran: CPU, threads, library versions, date, command line."""
+"""Where a benchmark ran: CPU (model and matrix features), GPU, threads, library versions, date, command line.
+
+What a forward costs depends on the matrix units more than on the clock: on
+a Xeon with AMX a bfloat16 forward over many tokens costs about a one-token
+forward, while without it (or in float32) cost grows with the tokens fed.
+``cpu_features()`` reads those units from ``/proc/cpuinfo``'s flags.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +34,32 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+MATRIX_FLAGS = ("amx_bf16", "amx_tile", "amx_int8", "avx512_bf16", "avx512_fp16", "avx512f", "avx_vnni", "avx2")
+
+
+def cpu_features(cpuinfo: str = "/proc/cpuinfo") -> dict[str, bool] | None:
+    """Which of ``MATRIX_FLAGS`` the first CPU lists in ``cpuinfo``; None where the file has no flags.
+
+    A ``flags : fpu avx2 amx_tile`` line -> ``{"amx_bf16": False, "amx_tile": True, ..., "avx2": True}``.
+    """
+    try:
+        with open(cpuinfo, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return {flag: flag in flags for flag in MATRIX_FLAGS}
+    except OSError:
+        pass
+    return None
+
+
+def gpu_name() -> str | None:
+    """``torch.cuda``'s name of device 0, or None without a usable GPU."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
 def environment(argv: list[str] | None = None) -> dict:
     import torch
     import transformers
@@ -36,6 +68,9 @@ def environment(argv: list[str] | None = None) -> dict:
 
     return {
         "cpu_model": cpu_model(),
+        "cpu_features": cpu_features(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "gpu": gpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),

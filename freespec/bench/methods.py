@@ -11,10 +11,14 @@
 | ``freespec:NAME`` | the registered drafter ``NAME`` (``freespec.drafters.available()``) |
 | ``freespec:NAME{k=v,...}`` | ``k`` that is a ``SpecConfig`` field (``max_draft_tokens``, ``max_draft_depth``, ``adaptive_budget``) configures the engine; any other ``k`` is a drafter option |
 | ``arctic-suffix{k=v,...}`` | Snowflake's SuffixDecoding drafter under freespec's verification (``freespec.bench.peers``); options as for ``freespec`` plus ``ArcticSuffixDrafter``'s |
+| ``freespec{prediction=true}`` | also passes each item's prediction (``builtin:code-edit``: the code shown) as ``generate(prediction=...)``; the drafter must take one (``mixture``, ``prediction``) |
 
 Values are ints, floats, ``true``/``false``, ``none`` or bare strings:
 ``freespec:suffix{min_match=3,max_draft_tokens=32}`` ->
 ``SpecConfig(drafter="suffix", drafter_options={"min_match": 3}, max_draft_tokens=32)``.
+
+``freespec replay --drafters`` takes the speculative methods of the same grammar with the
+``freespec:`` prefix optional (``parse_drafters``): ``prompt_lookup,suffix{min_match=3},arctic-suffix``.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class MethodSpec:
     spec_options: dict[str, Any] = field(default_factory=dict)  # SpecConfig overrides
     hf_num_tokens: int | None = None  # hf-pld: prompt_lookup_num_tokens
     hf_options: dict[str, Any] = field(default_factory=dict)  # hf-pld: extra generate() kwargs
+    use_prediction: bool = False  # freespec: pass the item's prediction as generate(prediction=...)
 
     @property
     def speculative(self) -> bool:
@@ -145,16 +150,22 @@ def parse_method(text: str) -> MethodSpec:
         _check_spec_options(spec_options, text)
         return MethodSpec(label, kind, "arctic-suffix", drafter_options, spec_options)
     # freespec
-    from ..drafters import available
+    from ..drafters import available, drafter_class
 
     if arg is not None and arg not in available():
         raise ValueError(f"unknown drafter {arg!r} in {text!r}; available: {', '.join(available())}")
+    use_prediction = options.pop("prediction", False)
+    if use_prediction not in (True, False):
+        raise ValueError(f"prediction must be true or false in {text!r}, got {use_prediction!r}")
+    if use_prediction and not drafter_class(arg or "mixture").accepts_prediction:
+        raise ValueError(f"prediction=true in {text!r} needs a drafter that drafts from a prediction "
+                         f"(mixture, prediction)")
     spec_options, drafter_options = _split_spec_options(options)
     if drafter_options and arg is None:
         raise ValueError(f"drafter options {sorted(drafter_options)} in {text!r} need a drafter name: "
                          f"freespec:NAME{{...}}")
     _check_spec_options(spec_options, text)
-    return MethodSpec(label, kind, arg, drafter_options, spec_options)
+    return MethodSpec(label, kind, arg, drafter_options, spec_options, use_prediction=use_prediction)
 
 
 def _check_spec_options(spec_options: dict[str, Any], where: str) -> None:
@@ -168,11 +179,29 @@ def _check_spec_options(spec_options: dict[str, Any], where: str) -> None:
 
 def parse_methods(text: str) -> list[MethodSpec]:
     """Parse a comma-separated list; duplicate labels raise."""
-    methods = [parse_method(part) for part in split_methods(text)]
+    return _unique([parse_method(part) for part in split_methods(text)])
+
+
+def parse_drafters(text: str) -> list[MethodSpec]:
+    """``freespec replay --drafters``: speculative methods, the ``freespec:`` prefix optional.
+
+    ``"prompt_lookup,suffix{min_match=3},arctic-suffix"`` -> methods labelled as
+    written, parsed as ``freespec:prompt_lookup``, ``freespec:suffix{min_match=3}``
+    and ``arctic-suffix``; ``freespec`` alone is the default drafter.
+    """
+    methods = []
+    for part in split_methods(text):
+        label = re.sub(r"\s+", "", part)
+        method = parse_method(label if label.startswith(("freespec", "arctic-suffix")) else "freespec:" + label)
+        methods.append(dataclasses.replace(method, label=label))
+    return _unique(methods)
+
+
+def _unique(methods: list[MethodSpec]) -> list[MethodSpec]:
     labels = [m.label for m in methods]
     duplicates = sorted({label for label in labels if labels.count(label) > 1})
     if duplicates:
-        raise ValueError(f"method(s) listed twice: {', '.join(duplicates)}")
+        raise ValueError(f"listed twice: {', '.join(duplicates)}")
     return methods
 
 

@@ -152,6 +152,34 @@ def category_rows(summary: dict, what: str) -> tuple[list[str], list[list[str]]]
     return header, rows
 
 
+def cost_title(cost_curve: dict) -> str:
+    return (f"Cost of a forward feeding k tokens over {cost_curve['prefix_tokens']} cached ones (median of "
+            f"{cost_curve['repeats']}; c(k) = ms / ms at k=1; {cost_curve['dtype']}, {_threads(cost_curve)})")
+
+
+def _threads(cost_curve: dict) -> str:
+    return f"{cost_curve['threads']} thread{'' if cost_curve['threads'] == 1 else 's'}"
+
+
+def cost_rows(cost_curve: dict) -> tuple[list[str], list[list[str]]]:
+    """One row per measured k, then the prefill (the prefix over an empty cache)."""
+    header = ["k (tokens fed)", "ms", "c(k)"]
+    rows = [[str(k), f"{ms:.1f}", f"{ratio:.2f}"]
+            for k, ms, ratio in zip(cost_curve["sizes"], cost_curve["ms"], cost_curve["ratios"])]
+    prefill = cost_curve["prefill"]
+    prefill_ratio = prefill["ms"] / cost_curve["ms"][0]
+    rows.append([f"{prefill['tokens']} (prefill)", f"{prefill['ms']:.1f}", f"{prefill_ratio:.2f}"])
+    return header, rows
+
+
+def machine_line(env: dict) -> str:
+    """``CPU matrix features: amx_bf16, avx2; torch CPU capability AVX512; GPU: none.``"""
+    features = env.get("cpu_features")
+    listed = "unknown" if features is None else (", ".join(f for f, on in features.items() if on) or "none")
+    return (f"CPU matrix features: {listed}; torch CPU capability {env.get('torch_cpu_capability', '?')}; "
+            f"GPU: {env.get('gpu') or 'none'}.")
+
+
 def text_table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
     line = lambda cells: "  ".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
@@ -188,6 +216,8 @@ def console_report(results: dict) -> str:
              text_table(*category_rows(summary, "speedup" if summary["vanilla"] else "tau")), ""]
     if summary["vanilla"]:
         parts += ["tau by category", text_table(*category_rows(summary, "tau")), ""]
+    if results.get("cost_curve"):
+        parts += [cost_title(results["cost_curve"]), text_table(*cost_rows(results["cost_curve"])), ""]
     for note in results.get("notes", []):
         if not note.startswith("!!!"):
             parts.append(f"note: {note}")
@@ -206,6 +236,8 @@ def markdown_report(results: dict) -> str:
         + f"; {env.get('cpu_model', '?')}, {env.get('torch_threads', '?')} threads, torch {env.get('torch')}, "
           f"transformers {env.get('transformers')}, freespec {env.get('freespec')}, {env.get('date')}.",
         "",
+        machine_line(env),
+        "",
         "Speedups: median of per-prompt ratios / ratio of totals. tau: new tokens per target forward "
         "(prefill included).",
         "",
@@ -216,6 +248,8 @@ def markdown_report(results: dict) -> str:
         parts += ["Speedup over vanilla by category (median of per-prompt ratios):", "",
                   markdown_table(*category_rows(summary, "speedup")), ""]
     parts += ["tau by category:", "", markdown_table(*category_rows(summary, "tau")), ""]
+    if results.get("cost_curve"):
+        parts += [cost_title(results["cost_curve"]) + ":", "", markdown_table(*cost_rows(results["cost_curve"])), ""]
     warnings = warnings_of(results)
     if warnings:
         parts += ["**Warnings:**", ""] + [f"- **{w.removeprefix('!!! ')}**" for w in warnings] + [""]
@@ -242,7 +276,7 @@ def write_results(results: dict, out_dir: str | Path, plots: bool = True) -> lis
 
 
 def write_plots(results: dict, out_dir: Path) -> list[Path]:
-    """speedup_by_category.png, tau_by_category.png, tau_distribution.png (needs matplotlib)."""
+    """speedup_by_category.png, tau_by_category.png, tau_distribution.png, cost_curve.png (needs matplotlib)."""
     try:
         import matplotlib
 
@@ -287,25 +321,45 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
                          "speedup_by_category.png", baseline=1.0)
     grouped_bars(labels, lambda m: m["tau"], "tau (new tokens per forward)", f"tau by category ({model})",
                  "tau_by_category.png", baseline=1.0)
+    written.append(plot_tau_distribution(plt, results, labels, out_dir / "tau_distribution.png"))
+    if results.get("cost_curve"):
+        written.append(plot_cost_curve(plt, results, out_dir / "cost_curve.png"))
+    return written
 
+
+def plot_tau_distribution(plt, results: dict, labels: list[str], path: Path) -> Path:
+    """A box per method of its per-prompt tau."""
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(labels) + 2), 4.5))
     data = [[p["methods"][label]["tau"] for p in results["prompts"] if label in p["methods"]] for label in labels]
     ax.boxplot(data, showmeans=True)
     ax.set_xticks(range(1, len(labels) + 1))
     ax.set_xticklabels(labels, rotation=20, ha="right")
     ax.set_ylabel("tau per prompt")
-    ax.set_title(f"Distribution of per-prompt tau ({model})")
+    ax.set_title(f"Distribution of per-prompt tau ({results['config']['model']})")
     fig.tight_layout()
-    path = out_dir / "tau_distribution.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    written.append(path)
-    return written
+    return path
 
 
-def write_traces(traces: Sequence[dict], path: str | Path) -> Path:
-    path = Path(path)
-    with path.open("w", encoding="utf-8") as f:
-        for trace in traces:
-            f.write(json.dumps(trace) + "\n")
+def plot_cost_curve(plt, results: dict, path: Path) -> Path:
+    """c(k) against k (log2 axis), the one-token time and the machine in the title."""
+    cost_curve, env = results["cost_curve"], results["environment"]
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    ax.plot(cost_curve["sizes"], cost_curve["ratios"], marker="o")
+    for k, ratio, ms in zip(cost_curve["sizes"], cost_curve["ratios"], cost_curve["ms"]):
+        ax.annotate(f"{ms:.0f} ms", (k, ratio), textcoords="offset points", xytext=(0, 6), ha="center",
+                    fontsize="x-small")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(cost_curve["sizes"])
+    ax.set_xticklabels([str(k) for k in cost_curve["sizes"]])
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel(f"tokens fed (over {cost_curve['prefix_tokens']} cached)")
+    ax.set_ylabel("c(k): forward time / one-token forward time")
+    ax.set_title(f"Cost of a forward: {results['config']['model']}, {cost_curve['dtype']}, "
+                 f"{_threads(cost_curve)}\n{env.get('gpu') or env.get('cpu_model', '?')}", fontsize="medium")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
     return path

@@ -14,6 +14,9 @@ _REGISTRY = {
     "ngram": "freespec.drafters.ngram_table:NgramTableDrafter",
     "corpus": "freespec.drafters.corpus:CorpusDrafter",
     "mixture": "freespec.drafters.mixture:MixtureDrafter",
+    "prediction": "freespec.drafters.prediction:PredictionDrafter",
+    "recycle": "freespec.drafters.recycle:RecycleDrafter",
+    "lookahead": "freespec.drafters.lookahead:LookaheadDrafter",
     "early_exit": "freespec.drafters.early_exit:EarlyExitDrafter",
 }
 

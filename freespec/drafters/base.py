@@ -5,7 +5,9 @@ and never sees the model (unless it declares ``needs_model``, below). The
 engine drives it through one request's life::
 
     drafter.start(request_id, prompt_ids)            # index the prompt
-    drafter.add_documents(request_id, docs, tok)     # only with generate(documents=...)
+    drafter.add_documents(request_id, docs, tok)     # only with documents (generate(documents=...),
+                                                     # freespec.documents(...))
+    drafter.add_prediction(request_id, ids)          # only with generate(prediction=...)
     while not done:
         drafter.on_verified_cache(request_id, cache, cache_len)  # for model drafters
         draft = drafter.propose(request_id, budget)   # a Draft within budget
@@ -27,8 +29,8 @@ drafters that read the model:
   ``attach_model(handle)``: a narrow handle the engine builds from the host
   model's public modules (run some decoder layers against the verified cache,
   the final norm, the LM head). Only such drafters ever see torch. Before
-  each ``propose`` the engine hands every drafter the request's verified
-  cache (``on_verified_cache``); a model drafter runs the handle against it.
+  each ``propose`` the engine hands such a drafter the request's verified
+  cache (``on_verified_cache``; in a batch, the row's own) to run the handle against.
 
 Worked example: token recycling in miniature. The target's top-1 after each
 fed token comes back through ``observe``; the draft chains those successors
@@ -121,6 +123,11 @@ def as_token_array(ids, name: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
+def encode_text(text: str, tokenizer) -> np.ndarray:
+    """Token ids of ``text``, as it would appear inside an output: ``tokenizer.encode(text, add_special_tokens=False)``."""
+    return np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int64)
+
+
 def exercise(drafter: "Drafter") -> None:
     """Run two tiny requests through ``drafter`` (compiles its kernels; see ``warmup``)."""
     drafter.start("warmup", [1, 2, 3, 1, 2])
@@ -163,12 +170,14 @@ class Drafter:
     ``observe_top_k``: > 0 asks the engine for the target's top-k tokens at every
         fed node, through ``observe``.
     ``accepts_documents``: True when ``add_documents`` works (``generate(documents=...)``).
+    ``accepts_prediction``: True when ``add_prediction`` works (``generate(prediction=...)``).
     ``needs_model``: True when the drafter drafts with the model (``attach_model``).
     """
 
     name = "drafter"
     observe_top_k = 0
     accepts_documents = False
+    accepts_prediction = False
     needs_model = False
 
     def __init__(self):
@@ -207,6 +216,15 @@ class Drafter:
         raise ValueError(f"drafter {self.name!r} does not draft from documents; use one that does "
                          f"(mixture, corpus) to pass documents=")
 
+    def add_prediction(self, request_id: Hashable, prediction_ids: np.ndarray) -> None:
+        """A predicted output of this request (1-D token ids): most of it is expected to appear in the output.
+
+        Default: ``ValueError``, since this drafter does not draft from a prediction
+        (``accepts_prediction`` is False). Drafters that do override it.
+        """
+        raise ValueError(f"drafter {self.name!r} does not draft from a predicted output; use one that does "
+                         f"(mixture, prediction) to pass prediction=")
+
     def observe(self, request_id: Hashable, verify_output: VerifyOutput) -> None:
         """Learn from the target's predictions (called when ``observe_top_k`` > 0). Default: nothing."""
 
@@ -225,12 +243,13 @@ class Drafter:
         raise TypeError(f"drafter {self.name!r} declares needs_model but does not implement attach_model()")
 
     def on_verified_cache(self, request_id: Hashable, cache, cache_len: int) -> None:
-        """The request's verified KV cache, handed over before each ``propose`` (for model drafters).
+        """The request's verified KV cache, handed over before each ``propose`` (drafters with ``needs_model``).
 
-        Its first ``cache_len`` entries hold ``context(request_id)[:cache_len]``; the
-        rest of the context is pending (fed by the next forward). The cache is the
-        engine's: a drafter reads it through its model handle (``DraftCache``) and
-        never writes it, nor keeps it past ``stop``. Default: ignored.
+        A cache of one row (in a batch, ``batch.RowCacheView``: the row's slots after its
+        left pads): its first ``cache_len`` entries hold ``context(request_id)[:cache_len]``
+        at positions ``0..cache_len-1``; the rest of the context is pending (fed by the next
+        forward). It is the engine's, valid until that forward: a drafter reads it through
+        its model handle (``DraftCache``) and never writes it. Default: ignored.
         """
 
     def warmup(self) -> None:

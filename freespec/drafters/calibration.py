@@ -1,12 +1,16 @@
 """What a verify step costs and what a draft node is worth, both measured live.
 
 ``CostModel`` is c(n), the time of a forward over ``n`` fed tokens relative to a
-one-token forward, from the engine's ``ForwardReport``s. ``AcceptanceCalibrator``
+one-token forward, from the engine's ``ForwardReport``s; ``BatchCostModel`` keeps
+one per batch size. ``AcceptanceCalibrator``
 is P(node accepted | parent accepted) per kind of node, from the outcomes of
-earlier steps. A drafter that sizes its trees (``mixture``) maximizes expected
-tokens per unit of time with both; so will any drafter whose nodes cost compute.
-Both are numbers about the model and the machine (no tokens), so they may be
-shared across requests.
+earlier steps. ``DraftSizer`` composes both: it picks how many of a tree's best
+nodes to verify, maximizing expected tokens per unit of time, and learns from
+each step's outcome; every drafter that sizes its trees (``mixture``,
+``recycle``, ``lookahead``) composes one; ``calibrate_lookup`` turns a lookup
+source's raw frequencies into calibrated path probabilities. All of it holds
+numbers about the model and the machine (no tokens), so it may be shared across
+requests.
 """
 
 from __future__ import annotations
@@ -14,65 +18,85 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from typing import Hashable
 
 import numpy as np
 
-from .options import check_int
+from ..draft import Budget, Draft
+from .options import check_bool, check_int, check_number
 
 
 class CostModel:
     """c(n): forward time with ``n`` tokens fed over forward time with 1 token, measured live.
 
-    Forwards are kept per bucket ``n in {1, 2, 4, ..., 64}`` (a forward goes to
-    the nearest bucket in log2), the last ``window`` of each; a bucket's value is
-    the median time over the median time of bucket 1 (a line through the
-    buckets' medians, read at n=1, while bucket 1 has none). Unmeasured buckets
-    are interpolated between measured ones (the prior's slope past the last);
-    the prior ``1 + prior_slope (n - 1)`` holds until two buckets are measured.
-    The curve is made non-decreasing and read linearly in ``n`` between buckets
-    (measured on qwen2.5-coder-0.5b, 2 CPU threads: c(2..16) ~2.2, nearly flat),
-    extrapolated past 64. Forwards of more than 64 tokens
-    (prefills) are ignored.
+    Forwards are kept per bucket ``n in BUCKETS`` (a forward goes to the nearest
+    bucket in log2), the last ``window`` of each; a bucket with ``min_samples``
+    forwards or more is *measured*, its value the median time over the median
+    time of bucket 1 (a line through the buckets' medians, read at n=1, while
+    bucket 1 has none). The small sizes have a bucket each because CPU matrix
+    kernels are not smooth there: measured on qwen2.5-coder-0.5b in float32 (one
+    thread), c(2) = 1.07, c(3) = 1.13 but c(4) = 1.9 and c(16) = 2.4, while in
+    bfloat16 on an AMX CPU c(16) = 1.3.
+
+    An unmeasured bucket reads the line between its measured neighbours (the prior's
+    slope past the last); up to ``OPTIMISTIC_UP_TO`` tokens it is *optimistic* instead,
+    the lower of that line and the prior ``1 + prior_slope (n - 1)`` (never below its
+    lower neighbour), so a drafter tries each small size a few times before the curve
+    says whether it pays: a cheap size between two dear ones (c(3) above) is found, not
+    interpolated away, while a wide size is never tried on faith (on a machine where
+    c(2) is already 3, exploring 64 tokens would cost dozens of forwards). The curve is
+    made non-decreasing and read linearly in ``n`` between buckets, extrapolated past 64.
+    Forwards of more than 64 tokens (prefills) are ignored.
 
     ``CostModel().cost(9) == 1.24`` before any measurement.
     """
 
-    BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+    BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+    OPTIMISTIC_UP_TO = 8
 
-    def __init__(self, prior_slope: float = 0.03, window: int = 32):
+    def __init__(self, prior_slope: float = 0.03, window: int = 32, min_samples: int = 3):
         if not prior_slope >= 0:
             raise ValueError(f"prior_slope must be >= 0, got {prior_slope!r}")
         check_int("window", window, 1)
+        self.min_samples = check_int("min_samples", min_samples, 1)
+        if self.min_samples > window:
+            raise ValueError(f"min_samples must be <= window, got {min_samples} > {window}")
         self.prior_slope = float(prior_slope)
         self._times = [deque(maxlen=window) for _ in self.BUCKETS]  # per bucket: forward seconds
+        self._log_edges = np.log2(np.array(self.BUCKETS, np.float64))
         self._curve: np.ndarray | None = None  # c at BUCKETS, cached until the next add()
 
     def add(self, num_tokens_fed: int, forward_s: float) -> None:
         if num_tokens_fed < 1 or num_tokens_fed > self.BUCKETS[-1] or not forward_s > 0 or math.isinf(forward_s):
             return
-        bucket = min(range(len(self.BUCKETS)), key=lambda b: abs(math.log2(self.BUCKETS[b] / num_tokens_fed)))
+        bucket = int(np.argmin(np.abs(self._log_edges - math.log2(num_tokens_fed))))
         self._times[bucket].append(float(forward_s))
         self._curve = None
 
     def prior(self, num_tokens: float) -> float:
         return 1.0 + self.prior_slope * (num_tokens - 1)
 
+    def measured(self, bucket: int) -> bool:
+        return len(self._times[bucket]) >= self.min_samples
+
     def curve(self) -> np.ndarray:
-        """c at ``BUCKETS``, ``[7]`` float64."""
+        """c at ``BUCKETS``, ``[len(BUCKETS)]`` float64."""
         if self._curve is None:
             sizes = np.array(self.BUCKETS, np.float64)
-            curve = 1.0 + self.prior_slope * (sizes - 1)
+            prior = 1.0 + self.prior_slope * (sizes - 1)
+            curve = prior
             base_s = self._one_token_s()
             if base_s is not None:
-                measured = [b for b in range(1, len(sizes)) if self._times[b]]
                 known_at, known = [0], [1.0]
-                for b in measured:
-                    known_at.append(b)
-                    known.append(max(1.0, float(np.median(self._times[b])) / base_s))
-                # unmeasured buckets: interpolated between measured ones, the prior's slope past the last
-                curve = np.interp(sizes, sizes[known_at], known)
+                for b in range(1, len(sizes)):
+                    if self.measured(b):
+                        known_at.append(b)
+                        known.append(max(1.0, float(np.median(self._times[b])) / base_s))
+                line = np.interp(sizes, sizes[known_at], known)
                 last = known_at[-1]
-                curve[last + 1:] = known[-1] + self.prior_slope * (sizes[last + 1:] - sizes[last])
+                line[last + 1:] = known[-1] + self.prior_slope * (sizes[last + 1:] - sizes[last])
+                curve = np.where(sizes <= self.OPTIMISTIC_UP_TO, np.minimum(line, prior), line)
+                curve[known_at] = known
             self._curve = np.maximum.accumulate(curve)
         return self._curve
 
@@ -88,12 +112,68 @@ class CostModel:
         line_s = intercept + max(slope, 0.0)
         return float(min(times.min(), line_s)) if line_s > 0 else float(times.min())
 
+    def measured_widths(self) -> int:
+        """How many width buckets hold at least one forward."""
+        return sum(1 for times in self._times if times)
+
     def cost(self, num_tokens: int) -> float:
         curve = self.curve()
         if num_tokens <= self.BUCKETS[-1]:
             return float(np.interp(num_tokens, self.BUCKETS, curve))
         slope = (curve[-1] - curve[-2]) / (self.BUCKETS[-1] - self.BUCKETS[-2])
         return float(curve[-1] + slope * (num_tokens - self.BUCKETS[-1]))
+
+    def costs(self, num_tokens: np.ndarray) -> np.ndarray:
+        """``cost`` of each entry of ``num_tokens`` ([m] int), as [m] float64."""
+        num_tokens = np.asarray(num_tokens, np.float64)
+        curve = self.curve()
+        slope = (curve[-1] - curve[-2]) / (self.BUCKETS[-1] - self.BUCKETS[-2])
+        inside = np.interp(num_tokens, self.BUCKETS, curve)
+        return np.where(num_tokens <= self.BUCKETS[-1], inside, curve[-1] + slope * (num_tokens - self.BUCKETS[-1]))
+
+
+class BatchCostModel:
+    """c_B(n): a forward of width ``n`` over one of width 1, both at batch size ``B``, measured live.
+
+    One ``CostModel`` per batch bucket ``B in {1, 2, 4, 8, ...}`` (a batch goes to
+    the nearest bucket in log2). A forward gets less memory-bound as the batch
+    grows, so extra tokens cost more at larger B; until a bucket has measured
+    widths of its own, its curve is borrowed from batch 1, where ``B`` rows of
+    ``n`` tokens cost about one row of ``B n``: ``c_B(n) = c_1(B n) / c_1(B)``.
+
+    Worked example, ``c_1(n) = 1 + 0.03 (n - 1)`` (the prior): ``c_4(5) =
+    c_1(20) / c_1(4) = 1.57 / 1.09 = 1.44``, where batch 1 would pay ``c_1(5) = 1.12``.
+    """
+
+    def __init__(self, prior_slope: float = 0.03, window: int = 32):
+        self.prior_slope, self.window = prior_slope, window
+        self._models: dict[int, CostModel] = {1: CostModel(prior_slope, window)}
+
+    @staticmethod
+    def bucket(batch_size: int) -> int:
+        return 1 << max(0, round(math.log2(max(1, batch_size))))
+
+    def add(self, batch_size: int, width: int, forward_s: float) -> None:
+        bucket = self.bucket(batch_size)
+        if bucket not in self._models:
+            self._models[bucket] = CostModel(self.prior_slope, self.window)
+        self._models[bucket].add(width, forward_s)
+
+    def cost(self, num_tokens: int, batch_size: int = 1) -> float:
+        return float(self.costs(np.array([num_tokens]), batch_size)[0])
+
+    def costs(self, num_tokens: np.ndarray, batch_size: int = 1) -> np.ndarray:
+        """``cost`` of each entry of ``num_tokens`` ([m] int) at ``batch_size``, as [m] float64."""
+        bucket = self.bucket(batch_size)
+        own = self._models.get(bucket)
+        if bucket == 1 or (own is not None and own.measured_widths() >= 2):
+            return own.costs(num_tokens)
+        single = self._models[1]
+        return np.maximum(1.0, single.costs(bucket * np.asarray(num_tokens)) / single.cost(bucket))
+
+    def of_batch(self, batch_size: int) -> CostModel | None:
+        """The measured model of ``batch_size``'s bucket (None until it has a forward)."""
+        return self._models.get(self.bucket(batch_size))
 
 
 class AcceptanceCalibrator:
@@ -142,9 +222,11 @@ class AcceptanceCalibrator:
         fade = 0.5 ** ((self.clock - counts[2]) / self.half_life)
         return counts[0] * fade, counts[1] * fade
 
-    def probability(self, kind: tuple) -> float:
+    def probability(self, kind: tuple, prior: float | None = None) -> float:
+        """The estimate for ``kind``; ``prior`` replaces ``self.prior(kind)`` (for kinds it does not know)."""
         accepted, seen = self._faded(kind)
-        return (accepted + self.prior_strength * self.prior(kind)) / (seen + self.prior_strength)
+        prior = self.prior(kind) if prior is None else prior
+        return (accepted + self.prior_strength * prior) / (seen + self.prior_strength)
 
     def update(self, kind: tuple, accepted: bool) -> None:
         old_accepted, old_seen = self._faded(kind)
@@ -153,3 +235,128 @@ class AcceptanceCalibrator:
     def tick(self) -> None:
         """One more step judged (``update`` calls of one step share a tick)."""
         self.clock += 1
+
+    def judge(self, draft: Draft, kinds: list, committed) -> None:
+        """One step's outcome: for each candidate whose parent was accepted, was it accepted too?
+
+        The committed tokens are the accepted path followed by the bonus token;
+        a node at depth d is judged against ``committed[d - 1]`` (if committed
+        stopped earlier, e.g. at EOS, deeper nodes are not judged). ``kinds[i]``
+        is node ``i``'s kind (not-candidate nodes are never judged).
+        """
+        committed = np.asarray(committed).tolist()
+        self.tick()
+        accepted = np.zeros(draft.num_nodes, bool)
+        depths = draft.depths().tolist()
+        is_candidate = draft.candidate_mask().tolist()
+        for i, (parent, token) in enumerate(zip(draft.parents.tolist(), draft.token_ids.tolist())):
+            if not is_candidate[i] or (parent >= 0 and not accepted[parent]) or depths[i] > len(committed):
+                continue
+            accepted[i] = committed[depths[i] - 1] == token
+            self.update(kinds[i], bool(accepted[i]))
+
+
+def calibrate_lookup(calibrator: AcceptanceCalibrator, source: str, match_len: int,
+                     draft: Draft) -> tuple[Draft, list[tuple]]:
+    """A lookup source's tree with calibrated path probabilities as confidence, and each node's kind.
+
+    ``draft.confidence`` holds raw frequencies (a path's share of the match's
+    occurrences); a node's kind is ``calibrator.kind(source, match_len, depth,
+    its frequency over its parent's)`` and its path probability the product of
+    its kinds' probabilities along the path. Sources are labelled ``source``.
+    """
+    raw = np.ones(draft.num_nodes) if draft.confidence is None else draft.confidence.astype(np.float64)
+    path_probs = np.empty(draft.num_nodes, np.float64)
+    kinds = []
+    for i, (parent, depth) in enumerate(zip(draft.parents.tolist(), draft.depths().tolist())):
+        parent_raw = 1.0 if parent < 0 else raw[parent]
+        frequency = raw[i] / parent_raw if parent_raw > 0 else 0.0
+        kinds.append(calibrator.kind(source, match_len, depth, frequency))
+        path_probs[i] = calibrator.probability(kinds[-1]) * (1.0 if parent < 0 else path_probs[parent])
+    return Draft(draft.token_ids, draft.parents, path_probs.astype(np.float32), (source,) * draft.num_nodes), kinds
+
+
+class DraftSizer:
+    """How many of a tree's best nodes to verify, from the cost model and calibrated acceptance.
+
+    A drafter hands ``select`` its candidate tree with each node's *path
+    probability* as confidence (the calibrated chance that the node is accepted;
+    a child never above its parent) and each node's kind. ``select`` keeps the
+    ``k`` best nodes that maximize expected tokens per unit of time,
+    ``(1 + sum of their path probabilities) / c(1 + k)``, and remembers them
+    until ``judge`` sees the committed tokens and counts, per kind, what was
+    accepted. ``k = 0`` (no draft) when nothing pays.
+
+    ``extras`` price not-candidate nodes riding in the same forward (a lookahead
+    window): an option ``(m, v)`` feeds ``m`` more nodes worth ``v`` tokens each
+    (later, through what they teach the drafter), so its rate is
+    ``(1 + S_k + m v) / c(1 + k + m)``; the best (option, k) pair wins.
+
+    Worked example: ``c(n) = 1 + 0.03 (n - 1)``, path probabilities
+    ``[0.9, 0.8, 0.1, 0.02]``: k=0 gives 1.0, k=1 1.9/1.03=1.84, k=2 2.7/1.06=2.55,
+    k=3 2.8/1.09=2.57, k=4 2.82/1.12=2.52, so three nodes are proposed.
+
+    adaptive: False fills the budget instead (the largest extra option that fits, then candidates).
+    Shared across requests: numbers about the model and the machine, no tokens.
+    """
+
+    def __init__(self, adaptive: bool = True, prior_cost_slope: float = 0.03):
+        self.adaptive = check_bool("adaptive", adaptive)
+        self.cost_model = BatchCostModel(prior_slope=check_number("prior_cost_slope", prior_cost_slope, 0.0))
+        self.calibrator = AcceptanceCalibrator()
+        self._pending: dict[Hashable, tuple[Draft, list]] = {}  # request -> verified candidates, their kinds
+
+    def on_forward(self, report) -> None:
+        """A ``ForwardReport``: decode forwards calibrate c_B(n) (a prefill's cost is the prompt's)."""
+        if report.prefill:
+            return
+        self.cost_model.add(report.batch_size, report.width, report.forward_s)
+
+    def select(self, request_id: Hashable, draft: Draft, kinds: list, budget: Budget,
+               extras: tuple = ((0, 0.0),)) -> tuple[Draft, int]:
+        """(the chosen sub-tree, index of the chosen extra option); remembers it for ``judge``.
+
+        ``draft``: candidates only, confidence = path probabilities; nodes deeper than
+        ``budget.max_depth`` are dropped. An extra option whose ``m`` exceeds the budget is skipped.
+        """
+        self._pending.pop(request_id, None)
+        if draft.num_nodes == 0:
+            return Draft.empty(), self._best(np.zeros(0), budget, extras)[0]
+        confidence = draft.confidence.astype(np.float64)
+        index = np.arange(draft.num_nodes)
+        order = np.lexsort((index, -confidence))  # best first; ties: parents (lower index) first
+        order = order[draft.depths()[order] <= budget.max_depth]
+        option, num_nodes = self._best(confidence[order], budget, extras)
+        if num_nodes == 0:
+            return Draft.empty(), option
+        keep = np.sort(order[:num_nodes])  # parents sort before children
+        chosen = draft.select(keep)
+        self._pending[request_id] = (chosen, [kinds[i] for i in keep.tolist()])
+        return chosen, option
+
+    def _best(self, sorted_probs: np.ndarray, budget: Budget, extras) -> tuple[int, int]:
+        """(extra option, number of nodes) of the best rate at the budget's batch size (a large batch, where
+        extra tokens cost more, drafts less); ties go to the earlier option, fewer nodes."""
+        best = (-1.0, 0, 0)
+        for option, (num_extra, value) in enumerate(extras):
+            available = min(int(sorted_probs.shape[0]), budget.num_nodes - num_extra)
+            if available < 0:
+                continue
+            if not self.adaptive:
+                best = (0.0, option, available)  # the last option that fits
+                continue
+            expected = 1.0 + num_extra * value + np.concatenate([[0.0], np.cumsum(sorted_probs[:available])])
+            rates = expected / self.cost_model.costs(1 + num_extra + np.arange(available + 1), budget.batch_size)
+            k = int(np.argmax(rates))
+            if rates[k] > best[0]:
+                best = (float(rates[k]), option, k)
+        return best[1], best[2]
+
+    def judge(self, request_id: Hashable, committed) -> None:
+        """Count the outcome of the request's last selected draft (``committed``: this step's tokens)."""
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            self.calibrator.judge(*pending, committed)
+
+    def forget(self, request_id: Hashable) -> None:
+        self._pending.pop(request_id, None)

@@ -41,7 +41,7 @@ from typing import Hashable, NamedTuple
 import numpy as np
 
 from ..draft import Budget, Draft
-from .base import Drafter, as_token_array
+from .base import Drafter, as_token_array, encode_text
 from .options import check_instance, check_int, check_match_range
 
 
@@ -61,6 +61,24 @@ def _letters(tokens: np.ndarray, bits: int) -> np.ndarray:
     tokens = np.asarray(tokens, np.int64)
     letters = np.stack([tokens >> bits, tokens & ((1 << bits) - 1)], -1)  # [..., L, 2]
     return letters.reshape(tokens.shape[:-1] + (2 * tokens.shape[-1],))
+
+
+def document_token_ids(docs: Iterable, tokenizer=None, name: str = "documents") -> list[np.ndarray]:
+    """Each document as 1-D int32 token ids: sequences of ids as they are, texts through ``tokenizer``.
+
+    ``document_token_ids([[5, 6], "hi"], tok) -> [array([5, 6]), encode_text("hi", tok)]``;
+    a text without ``tokenizer`` raises ``ValueError`` naming ``name[i]``.
+    """
+    if isinstance(docs, (str, bytes)) or not isinstance(docs, Iterable):
+        raise ValueError(f"{name} must be a list of texts or of token-id sequences")
+    out = []
+    for i, doc in enumerate(docs):
+        if isinstance(doc, str):
+            if tokenizer is None:
+                raise ValueError(f"{name}[{i}] is a text: it needs tokenizer= (an object with encode())")
+            doc = encode_text(doc, tokenizer)
+        out.append(as_token_array(doc, f"{name}[{i}]"))
+    return out
 
 
 class _Index(NamedTuple):
@@ -105,19 +123,12 @@ class DocumentIndex:
 
     def add_text(self, text: str, tokenizer, doc_key: Hashable | None = None) -> Hashable:
         """Tokenize ``text`` with ``tokenizer.encode(text, add_special_tokens=False)`` and add it."""
-        return self.add(np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int64), doc_key)
+        return self.add(encode_text(text, tokenizer), doc_key)
 
     def add_all(self, docs: Iterable, tokenizer=None) -> None:
-        """Add each document: 1-D token ids, or a text (needs ``tokenizer``)."""
-        if isinstance(docs, (str, bytes)) or not isinstance(docs, Iterable):
-            raise ValueError("documents must be a list of texts or of token-id sequences")
-        for doc in docs:
-            if isinstance(doc, str):
-                if tokenizer is None:
-                    raise ValueError("a text document needs tokenizer= (an object with encode())")
-                self.add_text(doc, tokenizer)
-            else:
-                self.add(doc)
+        """Add each document: 1-D token ids, or a text (needs ``tokenizer``); see ``document_token_ids``."""
+        for doc in document_token_ids(docs, tokenizer):
+            self.add(doc)
 
     def remove(self, doc_key: Hashable) -> None:
         if doc_key not in self._docs:
@@ -150,17 +161,32 @@ class DocumentIndex:
     def continuations(self, tail, max_depth: int, max_occurrences: int) -> tuple[int, list[np.ndarray]]:
         """(match_len, what followed up to max_occurrences occurrences, at most max_depth tokens each).
 
-        Over ``max_occurrences`` occurrences, take evenly spaced ones: they are
-        grouped by what follows, so this is a stratified sample of continuations.
+        Occurrences at a document's end (nothing follows) are left out first; over
+        ``max_occurrences`` of the rest, take evenly spaced ones: they are grouped by
+        what follows, so this is a stratified sample of continuations.
         """
         match_len, starts = self.find(tail)
-        if starts.shape[0] > max_occurrences:
-            starts = starts[(np.arange(max_occurrences) * starts.shape[0]) // max_occurrences]
         index = self._built()
-        begins = starts + match_len  # [m]
         doc_ends = index.doc_ends[np.searchsorted(index.doc_ends, starts, side="right")]  # [m]
+        followed = starts + match_len < doc_ends
+        starts, doc_ends = starts[followed], doc_ends[followed]
+        if starts.shape[0] > max_occurrences:
+            pick = (np.arange(max_occurrences) * starts.shape[0]) // max_occurrences
+            starts, doc_ends = starts[pick], doc_ends[pick]
+        begins = starts + match_len  # [m]
         ends = np.minimum(doc_ends, begins + max_depth)
-        return match_len, [index.tokens[b:e] for b, e in zip(begins.tolist(), ends.tolist()) if e > b]
+        return match_len, [index.tokens[b:e] for b, e in zip(begins.tolist(), ends.tolist())]
+
+    def build(self) -> "DocumentIndex":
+        """Build the lookup structure now instead of at the first lookup after a change; returns self.
+
+        An index is not locked: change it from one thread at a time and never
+        while another thread looks it up. To add documents without stalling the
+        thread that drafts, fill and ``build()`` a new index on another thread,
+        then hand it over (``integrations/sglang/external.py`` does this).
+        """
+        self._built()
+        return self
 
     def _built(self) -> _Index:
         if self._index is None:

@@ -2,12 +2,13 @@
 
 A fallback for when no long match exists. ``NgramTable`` maps each context
 n-gram (``min_n..max_n`` tokens) to weights of the tokens seen next, learned
-from every request's prompt and accepted output (weight 1) and, as in Token
-Recycling, from the target's top-k predictions at every verified node
-(weight ``model_weight / (rank + 1)``, below observed text). The draft is
-grown best-first: a node's score is the product of next-token frequencies
-along its path, each read from the longest n-gram of (context + path) that
-the table holds; nodes under ``min_prob`` are not drafted.
+from every request's prompt and accepted output. The draft is grown
+best-first: a node's score is the product of next-token frequencies along
+its path, each read from the longest n-gram of (context + path) that the
+table holds; nodes under ``min_prob`` are not drafted. Text only: what the
+target itself predicts is learned in one place, token recycling's
+``SuccessorTable`` (``drafters/recycle.py``), which keeps the target's top-k
+per token in a fixed ``vocab x k`` array.
 
 Worked example, ``min_n=1, max_n=2``, learned ``[1, 2, 3, 1, 2, 4, 1, 2, 3]``:
 after ``[1, 2]`` the table holds ``{3: 2, 4: 1}``, after ``[2, 3]`` ``{1: 1}``.
@@ -24,8 +25,7 @@ ids): ~470 bytes per context entry, so the default 250k entries hold ~120 MB.
 
 Plain dicts, no Numba: measured on a full 250k-entry table and an 8k-token
 context, ``propose`` takes 0.1 ms (16 nodes), 0.33 ms (64), 0.6 ms (256);
-``extend`` of 4 tokens 0.04 ms; ``observe`` of 64 nodes x top-8 2 ms;
-learning an 8k-token prompt at ``start`` ~60 ms.
+``extend`` of 4 tokens 0.04 ms; learning an 8k-token prompt at ``start`` ~60 ms.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Hashable
 import numpy as np
 
 from ..draft import Budget, Draft
-from .base import Drafter, VerifyOutput
+from .base import Drafter
 from .options import check_bool, check_int, check_number
 
 _TOKEN = struct.Struct("=i")  # keys are native int32 bytes, as ndarray.tobytes() of an int32 context
@@ -96,15 +96,13 @@ class NgramTableDrafter(Drafter):
     min_n / max_n: context lengths of the table's keys.
     max_entries / max_next: the memory bound (contexts, next tokens per context).
     min_prob: draft no node whose path probability is below this.
-    observe_top_k: learn the target's top-k at verified nodes (0: don't).
-    model_weight: weight of the target's top-1 prediction (rank r gets it / (r + 1)).
     shared: one table for all requests (True) or one per request (False).
     """
 
     name = "ngram"
 
     def __init__(self, min_n: int = 1, max_n: int = 4, max_entries: int = 250_000, max_next: int = 8,
-                 min_prob: float = 0.05, observe_top_k: int = 8, model_weight: float = 0.25, shared: bool = True):
+                 min_prob: float = 0.05, shared: bool = True):
         super().__init__()
         min_n, max_n = check_int("min_n", min_n, 1), check_int("max_n", max_n, 1)
         if max_n < min_n:
@@ -112,8 +110,6 @@ class NgramTableDrafter(Drafter):
         self.min_n, self.max_n = min_n, max_n
         self.max_entries, self.max_next = check_int("max_entries", max_entries, 1), check_int("max_next", max_next, 1)
         self.min_prob = check_number("min_prob", min_prob, 0.0, 1.0, low_open=True)
-        self.observe_top_k = check_int("observe_top_k", observe_top_k, 0)
-        self.model_weight = check_number("model_weight", model_weight, 0.0)
         self.shared = check_bool("shared", shared)
         self.table = NgramTable(min_n, max_n, max_entries, max_next) if shared else None
         self._request_tables: dict[Hashable, NgramTable] = {}
@@ -134,35 +130,6 @@ class NgramTableDrafter(Drafter):
 
     def _on_stop(self, request_id) -> None:
         self._request_tables.pop(request_id, None)
-
-    def observe(self, request_id: Hashable, verify_output: VerifyOutput) -> None:
-        """Learn the target's top-k after the committed context (row 0) and after each node's path.
-
-        Each prediction is added under the longest n-gram of its context and
-        under the shortest (``min_n``): the key ``propose`` reads first and the
-        fallback, at half the cost of every order. Called before ``extend`` of
-        the same step, so the context is still the committed one.
-        """
-        table = self.table_for(request_id)
-        draft = verify_output.draft
-        topk = np.asarray(verify_output.topk_token_ids)  # [num_nodes + 1, k]
-        if topk.ndim != 2 or topk.shape[0] != draft.num_nodes + 1:
-            raise ValueError(f"topk_token_ids must have shape [num_nodes + 1, k] = [{draft.num_nodes + 1}, k], "
-                             f"got {topk.shape}")
-        if self.observe_top_k == 0 or self.model_weight == 0:
-            return
-        keep = 4 * self.max_n
-        tails = [self.context(request_id)[-self.max_n :].tobytes()]  # tails[i + 1]: context + path to node i
-        for parent, token in zip(draft.parents.tolist(), draft.token_ids.tolist()):
-            tails.append((tails[parent + 1] + _TOKEN.pack(token))[-keep:])
-        weights = [self.model_weight / (rank + 1) for rank in range(topk.shape[1])]
-        for tail, row in zip(tails, topk[:, : self.observe_top_k].tolist()):
-            longest = min(self.max_n, len(tail) // 4)
-            for n in {self.min_n, longest} if longest >= self.min_n else ():  # most specific, fallback
-                key = tail[len(tail) - 4 * n :]
-                for rank, token in enumerate(row):
-                    if token >= 0:
-                        table.add(key, token, weights[rank])
 
     def _propose(self, request_id, budget: Budget) -> Draft:
         table = self.table_for(request_id)

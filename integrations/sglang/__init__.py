@@ -11,9 +11,13 @@ exported by the launcher, enable it in the processes it spawns)::
 
 Enabled, it checks the SGLang version and every hook target, and fails the
 process with ``SystemExit`` naming what is missing: a user who asked for
-freespec never gets plain NGRAM instead without knowing. See ``hooks.py`` for
-what is patched and ``draft_server.py`` for how drafts become SGLang's tree.
-Nothing here imports sglang until the plugin is enabled.
+freespec never gets plain NGRAM instead without knowing. The files:
+``hooks.py`` (what is patched), ``options.py`` (flags, config file, env vars),
+``draft_server.py`` (SGLang's corpus interface over a drafter: request state,
+multimodal prompts), ``tree_format.py`` (drafts as SGLang's tree rows, one
+kernel per batch), ``external.py`` (external corpora, built off the drafting
+thread), ``bench.py`` (cost on the scheduler thread beside SGLang's C++
+corpus). Nothing here imports sglang until the plugin is enabled.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import os
 import sys
 
 from . import options
-from .draft_server import DraftServer, to_sglang_tree
+from .draft_server import DraftServer
+from .tree_format import to_sglang_tree, write_sglang_trees
 
 logger = logging.getLogger(__name__)
 
@@ -62,4 +67,4 @@ def unregister() -> None:
     hooks.uninstall()
 
 
-__all__ = ["DraftServer", "enabled", "options", "register", "to_sglang_tree", "unregister"]
+__all__ = ["DraftServer", "enabled", "options", "register", "to_sglang_tree", "unregister", "write_sglang_trees"]

@@ -5,18 +5,19 @@ SGLang's ``NGRAMWorker`` asks its corpus, each decode step, for exactly
 verifies them as a tree. This class answers with a freespec drafter instead of
 SGLang's n-gram trie; the verification stays SGLang's (lossless).
 
-What the worker hands the corpus, read from sglang 0.5.21 ``ngram_worker.py``:
+What the worker hands the corpus (sglang 0.5.11 to 0.5.23 ``ngram_worker.py``):
 ``batch_get(req_ids, batch_tokens, total_lens)`` gets only the last
 ``max_trie_depth`` tokens of each request (prompt + output) and the request's
 full length; ``batch_put`` gets the same tails again after verification, and
-``erase_match_state(req_ids)`` names requests that left the decode batch.
+``erase_match_state(req_ids)`` names some requests that left the decode batch
+(0.5.11 names only those that finished or were retracted during a verify step).
 A drafter needs the whole context (the prompt is where prompt lookup finds
 its matches), so the plugin also hooks the worker's ``_prepare_draft_tokens``
 to ``offer_contexts``: references to each request's full prompt + output,
 read only when a request starts or restarts.
 
 Per-request state, keyed by ``req_id``: the host's length the drafter is synced
-to and the last tokens of it. At each ``batch_get``, with ``k`` the synced
+to and the host's last tokens. At each ``batch_get``, with ``k`` the synced
 length and ``n`` the new total length, the tail's last ``n - k`` tokens are the
 newly committed ones (``drafter.extend``), once the rest of the tail lines up
 with what the drafter holds. Worked example, ``max_trie_depth=4``::
@@ -31,10 +32,20 @@ sequence, another text under the same id), the request restarts from what is
 known (the offered context, else the tail). Drafts are only proposals, so a
 restart costs speed, never correctness.
 
-The tree SGLang expects per request (``to_sglang_tree``): node 0 is the last
-committed token, nodes in BFS order (parents before children),
-``mask[i][j] = 1`` iff ``j`` is ``i`` or an ancestor of ``i``, and unused slots
-token 0 under node 0; flat int64 arrays ``[bs * D]`` and ``[bs * D * D]``.
+Every exit releases a request's state: ``erase_match_state``, and any request
+absent from a decode batch (finished, aborted, retracted: SGLang's decode
+batch holds every running request) is stopped at the next ``batch_get``.
+
+Multimodal prompts: SGLang replaces an image's tokens by padding values of
+1,000,000 and up in ``req.origin_input_ids``. The drafter reads the unpadded
+prompt (``origin_input_ids_unpadded``) while lengths stay in the host's
+coordinates; any id the drafter still sees at or above ``token_bound`` (the
+vocabulary size once known, else 1,000,000) becomes ``token_bound``, and no
+node at or above it is ever drafted (``tree_format``).
+
+Tensor parallelism: SGLang does not broadcast NGRAM drafts, each rank drafts
+for itself, so everything here is a function of the calls alone (requests are
+started and stopped in batch order, never in set or hash order).
 """
 
 from __future__ import annotations
@@ -45,81 +56,47 @@ from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
-from freespec import drafters
 from freespec.draft import Budget, Draft
-from freespec.tree import ancestor_matrix, bfs_order
 
 from . import options as plugin_options
+from .external import ExternalCorpora
+from .tree_format import write_sglang_trees
 
 logger = logging.getLogger(__name__)
 
-
-def to_sglang_tree(
-    draft: Draft,
-    root_token_id: int,
-    num_draft_tokens: int,
-    out_token_ids: np.ndarray | None = None,  # [D] int64, written in place
-    out_mask: np.ndarray | None = None,  # [D, D] int64, written in place
-) -> tuple[np.ndarray, np.ndarray]:
-    """A draft as SGLang's ``D``-node tree: (token_ids [D], mask [D, D]), int64.
-
-    Not-candidate nodes (a lookahead window) are dropped; a draft of more than
-    ``D - 1`` nodes is pruned by confidence (``Draft.prune``).
-    ``to_sglang_tree(Draft([5, 6, 8, 7], [-1, 0, 0, 1]), 4, 6)`` (root 4) gives
-    token_ids ``[4, 5, 6, 8, 7, 0]`` and mask rows ``{0}, {0,1}, {0,1,2},
-    {0,1,3}, {0,1,2,4}, {0,5}``: BFS order puts ``8`` (depth 2) before ``7``
-    (depth 3), and the free slot is token 0 under the root.
-    """
-    num_slots = num_draft_tokens - 1
-    if num_slots < 0:
-        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
-    draft = draft.candidates()  # SGLang verifies candidates only: not-candidate nodes cannot go there
-    if draft.num_nodes > num_slots:
-        draft = draft.prune(num_slots)
-    draft.validate()
-    token_ids = np.zeros(num_draft_tokens, np.int64) if out_token_ids is None else out_token_ids
-    mask = np.zeros((num_draft_tokens, num_draft_tokens), np.int64) if out_mask is None else out_mask
-    token_ids[:] = 0
-    mask[:] = 0
-
-    order = bfs_order(draft.parents)  # [n] draft node of each slot after the root
-    num_used = order.shape[0] + 1
-    token_ids[0] = root_token_id
-    token_ids[1:num_used] = draft.token_ids[order]
-    ancestors = ancestor_matrix(draft.parents)  # [n, n] in draft order
-    mask[0, 0] = 1
-    mask[1:num_used, 0] = 1
-    mask[1:num_used, 1:num_used] = ancestors[np.ix_(order, order)]
-    for slot in range(num_used, num_draft_tokens):  # padding: token 0 under the root
-        mask[slot, 0] = 1
-        mask[slot, slot] = 1
-    return token_ids, mask
+# SGLang's MM_PAD_SHIFT_VALUE: image-padding ids start here, and SGLang refuses larger vocabularies
+SGLANG_PAD_START = 1_000_000
+LOG_EVERY = 2000  # decode steps between two "freespec: served" log lines
+_EMPTY = Draft.empty()
 
 
 @dataclass
 class _Request:
     num_tokens: int  # host's sequence length (prompt + output) the drafter is synced to
-    recent_ids: np.ndarray  # [<= max_trie_depth] int64, its last tokens
+    recent_ids: list  # the host's last tokens, ending at num_tokens
 
 
-def _lines_up(known_ids: np.ndarray, tail_ids: np.ndarray) -> bool:
-    """Do two sequences that end at the same position agree where both have tokens?"""
-    overlap = min(known_ids.shape[0], tail_ids.shape[0])
-    return overlap == 0 or np.array_equal(known_ids[known_ids.shape[0] - overlap:],
-                                          tail_ids[tail_ids.shape[0] - overlap:])
+def _last_tokens(prompt_ids, output_ids, count: int) -> list:
+    """The last ``count`` tokens of prompt + output, without concatenating them."""
+    if count <= 0:
+        return []
+    from_output = list(output_ids[max(0, len(output_ids) - count):])
+    need = count - len(from_output)
+    return (list(prompt_ids[max(0, len(prompt_ids) - need):]) if need else []) + from_output
 
 
-def build_drafter(name: str, drafter_options: dict):
-    """``drafters.make(name, **drafter_options)``; a dict under ``"documents"`` becomes a shared ``DocumentIndex``."""
-    drafter_options = dict(drafter_options)
-    if isinstance(drafter_options.get("documents"), dict):
-        from freespec.drafters.corpus import DocumentIndex
-
-        try:
-            drafter_options["documents"] = DocumentIndex(**drafter_options["documents"])
-        except TypeError as exc:
-            raise ValueError(f"bad drafter_options['documents'] for {name!r}: {exc}") from None
-    return drafters.make(name, **drafter_options)
+def _offered_context(offered: tuple, tail: list, total_len: int) -> np.ndarray | None:
+    """Drafting prompt + output + the tail's new tokens, if the offered host context lines up with the tail."""
+    host_prompt, output_ids, drafting_prompt = offered
+    num_new = total_len - len(host_prompt) - len(output_ids)
+    if not 0 <= num_new <= len(tail):
+        return None
+    keep = len(tail) - num_new  # tail[:keep] is the end of host_prompt + output_ids
+    overlap = min(keep, len(host_prompt) + len(output_ids))
+    if _last_tokens(host_prompt, output_ids, overlap) != tail[keep - overlap:keep]:
+        return None
+    return np.concatenate([np.asarray(drafting_prompt, np.int64).reshape(-1),
+                           np.asarray(output_ids, np.int64).reshape(-1), np.asarray(tail[keep:], np.int64)])
 
 
 class DraftServer:
@@ -150,23 +127,45 @@ class DraftServer:
             raise ValueError(f"draft_token_num must be >= 1, got {draft_token_num}")
         if max_trie_depth < 1:
             raise ValueError(f"max_trie_depth must be >= 1, got {max_trie_depth}")
+        self._where = "drafter_options"
         if drafter is None:
             resolved = plugin_options.from_env()
-            drafter = resolved.drafter
+            drafter, self._where = resolved.drafter, plugin_options.where()
             drafter_options = resolved.drafter_options if drafter_options is None else drafter_options
         self.drafter_name = drafter
         self.drafter_options = dict(drafter_options or {})
-        self.drafter = build_drafter(self.drafter_name, self.drafter_options)
         self.draft_token_num = int(draft_token_num)
         self.max_trie_depth = int(max_trie_depth)
         self.external_corpus_max_tokens = int(external_corpus_max_tokens)
-        self._requests: dict[Hashable, _Request] = {}
-        self._offered: dict[Hashable, tuple] = {}  # req_id -> (prompt_ids, output_ids), until batch_get
-        self._external: dict[str, list[np.ndarray]] = {}  # corpus_id -> chunks
-        self._external_tokens: dict[str, int] = {}  # committed corpus_id -> token count
+        self.token_bound = SGLANG_PAD_START  # no id >= this is drafted (set_vocab_size: the vocabulary size)
+        self.vocab_size: int | None = None
         self.num_restarts = 0  # requests restarted because their tail did not line up
+        self.num_steps = self.num_rows = self.num_drafted = 0  # batch_get calls, requests, drafted nodes
+        self._budget = Budget(self.draft_token_num - 1, self.draft_token_num - 1)
+        self._requests: dict[Hashable, _Request] = {}  # insertion order = batch order (deterministic)
+        self._offered: dict[Hashable, tuple] = {}  # req_id -> (host prompt, output, drafting prompt)
+        self._external = ExternalCorpora()
+        self.drafter = self._build_drafter()
+        write_sglang_trees([_EMPTY], [0], self.draft_token_num)  # compile the kernel now, not at a decode step
+        self.drafter.warmup()
         logger.info("freespec: NGRAM drafts come from drafter %r %s (D=%d)", self.drafter_name,
                     self.drafter_options, self.draft_token_num)
+
+    def _build_drafter(self):
+        drafter = plugin_options.build_drafter(self.drafter_name, self.drafter_options, self._where)
+        self._external.attach(drafter)
+        return drafter
+
+    def set_vocab_size(self, vocab_size: int) -> None:
+        """Never draft ids at or above ``vocab_size`` (the hook reads it from the model)."""
+        if not 1 <= int(vocab_size) < 2**31:
+            raise ValueError(f"vocab_size must be in [1, 2**31), got {vocab_size!r}")
+        self.vocab_size = self.token_bound = int(vocab_size)
+
+    @property
+    def num_live_requests(self) -> int:
+        """Requests whose drafter state is held."""
+        return len(self._requests)
 
     # ------------------------------------------------------------ worker API
     def batch_get(
@@ -179,134 +178,135 @@ class DraftServer:
         if not len(req_ids) == len(batch_tokens) == len(total_lens):
             raise ValueError(f"batch_get got {len(req_ids)} req_ids, {len(batch_tokens)} token lists "
                              f"and {len(total_lens)} lengths")
-        num_nodes = self.draft_token_num
-        batch_size = len(req_ids)
-        token_ids = np.zeros((batch_size, num_nodes), np.int64)
-        mask = np.zeros((batch_size, num_nodes, num_nodes), np.int64)
-        budget = Budget(num_nodes - 1, num_nodes - 1)
-        for row, (req_id, tail, total_len) in enumerate(zip(req_ids, batch_tokens, total_lens)):
-            tail_ids = np.asarray(tail, np.int64).reshape(-1)
-            if tail_ids.shape[0] == 0:  # nothing committed: nothing to draft from
-                to_sglang_tree(Draft.empty(), 0, num_nodes, token_ids[row], mask[row])
+        self._external.poll()
+        self._release_absent(req_ids)
+        drafts, root_ids = [], []
+        for req_id, tail, total_len in zip(req_ids, batch_tokens, total_lens):
+            tail = list(tail) if isinstance(tail, list) else np.asarray(tail).reshape(-1).tolist()
+            if not tail:  # nothing committed: nothing to draft from
+                drafts.append(_EMPTY)
+                root_ids.append(0)
                 continue
-            self._sync(req_id, tail_ids, int(total_len))
-            draft = self.drafter.propose(req_id, budget)
-            to_sglang_tree(draft, int(tail_ids[-1]), num_nodes, token_ids[row], mask[row])
+            self._sync(req_id, tail, int(total_len))
+            drafts.append(self.drafter.propose(req_id, self._budget))
+            root_ids.append(tail[-1])
         self._offered.clear()
-        return token_ids.reshape(-1), mask.reshape(-1)
+        num_nodes = np.zeros(len(drafts), np.int64)
+        out = write_sglang_trees(drafts, root_ids, self.draft_token_num, self.token_bound, num_nodes)
+        self._count(int(num_nodes.sum()), len(drafts))
+        return out
 
-    def offer_contexts(self, requests: Iterable[tuple[Hashable, Sequence[int], Sequence[int]]]) -> None:
-        """(req_id, prompt_ids, output_ids) of the coming batch, for requests that (re)start in it.
+    def offer_contexts(self, requests: Iterable[tuple]) -> None:
+        """``(req_id, prompt_ids, output_ids[, drafting_prompt_ids])`` of the coming batch.
 
-        Only references are kept (O(1) per request); they are read, and
-        copied, only when a request starts or restarts in the next ``batch_get``.
+        ``prompt_ids`` are in the host's coordinates (what its lengths count);
+        ``drafting_prompt_ids`` (default ``prompt_ids``) are what the drafter
+        reads: the unpadded prompt of a multimodal request. Only references are
+        kept (O(1) per request); they are read, and copied, only when a request
+        starts or restarts in the next ``batch_get``.
         """
-        for req_id, prompt_ids, output_ids in requests:
-            self._offered[req_id] = (prompt_ids, output_ids)
+        for request in requests:
+            req_id, prompt_ids, output_ids = request[:3]
+            drafting = request[3] if len(request) > 3 and request[3] is not None else prompt_ids
+            self._offered[req_id] = (prompt_ids, output_ids, drafting)
 
     def batch_put(self, batch_tokens: Sequence[Sequence[int]]) -> None:
         """Accepted and ignored: these tails repeat what ``batch_get`` saw this step.
 
-        Shared state (n-gram tables, corpora) learns from whole requests
+        Shared state (n-gram tables, histories) learns from whole requests
         through the drafter's ``stop``, which sees more than these tails.
         """
 
     def synchronize(self) -> None:
-        """Nothing to wait for: this corpus works synchronously."""
+        """Nothing to wait for: this corpus drafts synchronously."""
 
     def erase_match_state(self, req_ids: Iterable[Hashable]) -> None:
         """Requests that left the decode batch: ``drafter.stop`` them (a later return restarts)."""
-        for req_id in req_ids:
+        leaving = set(req_ids)
+        for req_id in [r for r in self._requests if r in leaving]:  # batch order, not set order
+            self._stop(req_id)
+        for req_id in leaving:
             self._offered.pop(req_id, None)
-            if self._requests.pop(req_id, None) is not None:
-                self.drafter.stop(req_id)
 
     def reset(self) -> None:
         """Forget every request and what the drafter learned; external corpora stay (as in SGLang)."""
         for req_id in list(self._requests):
-            self.drafter.stop(req_id)
-        self._requests.clear()
+            self._stop(req_id)
         self._offered.clear()
-        self.drafter = build_drafter(self.drafter_name, self.drafter_options)
-        for corpus_id in self._external_tokens:
-            self._add_to_shared_corpus(corpus_id, self._external[corpus_id])
+        self.drafter = self._build_drafter()
 
     # ------------------------------------------------------ external corpora
     @property
     def remaining_token_budget(self) -> int:
-        return self.external_corpus_max_tokens - sum(self._external_tokens.values())
+        return self.external_corpus_max_tokens - self._external.held_tokens()
 
     def load_external_corpus_named(self, corpus_id: str, chunks: Iterable[Sequence[int]]) -> int:
-        """Add documents to the drafter's shared corpus; returns the number of tokens loaded."""
-        if corpus_id in self._external:
-            raise ValueError(f"External corpus '{corpus_id}' already exists. Remove it before adding "
-                             f"a new corpus with the same id.")
-        arrays, num_tokens, budget = [], 0, self.remaining_token_budget
-        for chunk in chunks:
-            array = np.asarray(list(chunk), np.int64)
-            num_tokens += array.shape[0]
-            if num_tokens > budget:
-                raise ValueError(f"External corpus '{corpus_id}' exceeds the remaining token budget ({budget})")
-            arrays.append(array)
-        if num_tokens == 0:
-            raise ValueError(f"External corpus '{corpus_id}' is empty: no tokens were loaded")
-        self._add_to_shared_corpus(corpus_id, arrays)
-        self._external[corpus_id] = arrays
-        return num_tokens
+        """Index documents for the drafter's shared corpus (any thread); returns the number of tokens loaded."""
+        if not self._external.attached:
+            raise ValueError(
+                f"drafter {self.drafter_name!r} has no shared document index for an external corpus; use drafter "
+                f'"corpus" or "mixture" with its option "documents": {{"min_match": 2, "max_match": 8}}')
+        return self._external.load(corpus_id, chunks, self.remaining_token_budget)
 
     def commit_external_corpus_load(self, corpus_id: str, loaded_token_count: int) -> None:
-        self._external_tokens[corpus_id] = int(loaded_token_count)
+        """Draft from a loaded corpus from now on (scheduler thread)."""
+        self._external.commit(corpus_id, loaded_token_count)
 
     def remove_external_corpus(self, corpus_id: str) -> None:
-        if corpus_id not in self._external:
-            raise ValueError(f"External corpus '{corpus_id}' does not exist")
-        shared = self._shared_corpus()
-        for i in range(len(self._external.pop(corpus_id))):
-            shared.remove((corpus_id, i))
-        self._external_tokens.pop(corpus_id, None)
+        self._external.remove(corpus_id)
 
     def list_external_corpora(self) -> dict[str, int]:
-        return dict(self._external_tokens)
+        return self._external.token_counts()
 
     # --------------------------------------------------------------- helpers
-    def _sync(self, req_id: Hashable, tail_ids: np.ndarray, total_len: int) -> None:
-        """Bring the drafter's context of ``req_id`` to ``total_len`` tokens ending in ``tail_ids``."""
+    def _count(self, num_drafted: int, num_rows: int) -> None:
+        """Serving statistics, and the log lines that show drafts are served (``gpu_check.sh`` reads them)."""
+        first = self.num_drafted == 0 and num_drafted > 0
+        self.num_steps += 1
+        self.num_rows += num_rows
+        self.num_drafted += num_drafted
+        if first:
+            logger.info("freespec: serving drafts from drafter %r (first: %d nodes for %d requests)",
+                        self.drafter_name, num_drafted, num_rows)
+        if self.num_steps % LOG_EVERY == 0:
+            logger.info("freespec: drafter %r served %d decode steps, %.2f draft nodes per request, "
+                        "%d live requests, %d restarts", self.drafter_name, self.num_steps,
+                        self.num_drafted / max(1, self.num_rows), len(self._requests), self.num_restarts)
+
+    def _stop(self, req_id: Hashable) -> None:
+        del self._requests[req_id]
+        self.drafter.stop(req_id)
+
+    def _release_absent(self, req_ids: Sequence[Hashable]) -> None:
+        """Stop requests missing from this decode batch (they finished, were aborted or retracted)."""
+        if not self._requests:
+            return
+        present = set(req_ids)
+        for req_id in [r for r in self._requests if r not in present]:  # batch order, not set order
+            self._stop(req_id)
+
+    def _draftable(self, ids: list | np.ndarray):
+        """``ids`` with every id at or above ``token_bound`` replaced by ``token_bound`` (as they are when none is)."""
+        if len(ids) == 0 or (ids.max() if isinstance(ids, np.ndarray) else max(ids)) < self.token_bound:
+            return ids
+        return np.minimum(np.asarray(ids, np.int64), self.token_bound)
+
+    def _sync(self, req_id: Hashable, tail: list, total_len: int) -> None:
+        """Bring the drafter's context of ``req_id`` to ``total_len`` host tokens ending in ``tail``."""
         request = self._requests.get(req_id)
         if request is not None:
             num_new = total_len - request.num_tokens
-            if 0 <= num_new <= tail_ids.shape[0] and _lines_up(request.recent_ids,
-                                                               tail_ids[: tail_ids.shape[0] - num_new]):
+            keep = len(tail) - num_new
+            overlap = min(keep, len(request.recent_ids))
+            if 0 <= num_new <= len(tail) and request.recent_ids[len(request.recent_ids) - overlap:] == \
+                    tail[keep - overlap:keep]:
                 if num_new:
-                    new_ids = tail_ids[tail_ids.shape[0] - num_new:]
-                    self.drafter.extend(req_id, new_ids)
-                    request.num_tokens = total_len
-                    request.recent_ids = np.concatenate([request.recent_ids, new_ids])[-self.max_trie_depth:]
+                    self.drafter.extend(req_id, self._draftable(tail[keep:]))
+                    request.num_tokens, request.recent_ids = total_len, tail
                 return
-            self.drafter.stop(req_id)
-            del self._requests[req_id]
+            self._stop(req_id)
             self.num_restarts += 1
-        context = tail_ids
         offered = self._offered.pop(req_id, None)
-        if offered is not None:
-            offered = np.concatenate([np.asarray(ids, np.int64).reshape(-1) for ids in offered])
-            num_new = total_len - offered.shape[0]
-            if 0 <= num_new <= tail_ids.shape[0] and _lines_up(offered, tail_ids[: tail_ids.shape[0] - num_new]):
-                context = np.concatenate([offered, tail_ids[tail_ids.shape[0] - num_new:]])
-        self.drafter.start(req_id, context)
-        self._requests[req_id] = _Request(total_len, context[-self.max_trie_depth:].copy())
-
-    def _shared_corpus(self):
-        from freespec.drafters.corpus import DocumentSource
-
-        documents = getattr(self.drafter, "documents", None)  # the drafter's DocumentSource, if it has one
-        shared = documents.shared if isinstance(documents, DocumentSource) else None
-        if shared is None:
-            raise ValueError(
-                f"drafter {self.drafter_name!r} has no shared document index for an external corpus; use "
-                f'drafter "corpus" or "mixture" with drafter_options {{"documents": {{"min_match": 2, "max_match": 8}}}}')
-        return shared
-
-    def _add_to_shared_corpus(self, corpus_id: str, arrays: list[np.ndarray]) -> None:
-        shared = self._shared_corpus()
-        for i, array in enumerate(arrays):
-            shared.add(array, (corpus_id, i))
+        context = _offered_context(offered, tail, total_len) if offered is not None else None
+        self.drafter.start(req_id, self._draftable(tail if context is None else context))
+        self._requests[req_id] = _Request(total_len, tail)

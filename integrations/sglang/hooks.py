@@ -8,7 +8,7 @@ registers with ``sglang.srt.plugins.hook_registry.HookRegistry``:
 | ``ServerArgs.add_cli_args`` | AFTER | adds ``--freespec-drafter`` and ``--freespec-config`` |
 | ``ServerArgs.from_cli_args`` | AROUND | checks them, exports them to env vars, drops them (ServerArgs has no such fields) |
 | ``ngram_worker.NgramCorpus`` | REPLACE | the NGRAM worker builds ``DraftServer`` instead |
-| ``NGRAMWorker._prepare_draft_tokens`` | BEFORE | hands the corpus each request's full prompt + output (read only when a request starts) |
+| ``NGRAMWorker._prepare_draft_tokens`` | BEFORE | hands the corpus each request's full prompt (unpadded too) + output (read only when a request starts), and the vocabulary size |
 
 SGLang applies registered hooks right after running the plugins
 (``load_plugins``). ``uninstall()`` puts the originals back (for tests).
@@ -44,6 +44,10 @@ CORPUS_METHODS = ("batch_put", "synchronize", "reset", "batch_get", "erase_match
                   "load_external_corpus_named", "commit_external_corpus_load", "remove_external_corpus",
                   "list_external_corpora")
 
+# From 0.5.23 the worker's tails and lengths count the unpadded prompt (origin_input_ids_unpadded);
+# before, the padded one (origin_input_ids). Set by install().
+UNPADDED_FROM = (0, 5, 23)
+_worker_reads_unpadded = False
 _originals: dict[str, tuple[object, str, object]] = {}  # target -> (owner, attribute, raw original)
 
 
@@ -132,7 +136,7 @@ def add_cli_args_after(result, parser: argparse.ArgumentParser):
                        help="freespec drafter serving NGRAM drafts (default: the config's, else mixture if "
                             "registered, else prompt_lookup)")
     group.add_argument("--freespec-config", type=str, default=None,
-                       help='JSON file: {"drafter": NAME, "drafter_options": {...}}')
+                       help='JSON file: {"drafter": NAME, "drafter_options": {NAME: {...}, ...}}')
     return result
 
 
@@ -142,20 +146,38 @@ def from_cli_args_around(original, cls, args: argparse.Namespace):
     config_path = getattr(args, "freespec_config", None)
     if drafter is not None or config_path is not None:
         resolved = plugin_options.resolve(drafter, config_path)
-        from .draft_server import build_drafter
-
-        build_drafter(resolved.drafter, resolved.drafter_options)  # bad options fail here, not in a subprocess
+        where = f"freespec config {config_path!r}" if config_path else "--freespec-drafter"
+        if config_path:
+            plugin_options.check_config(config_path)  # every section, so bad options fail here, not in a subprocess
+        plugin_options.build_drafter(resolved.drafter, resolved.drafter_options, where)
         if getattr(args, "speculative_algorithm", None) != "NGRAM":
             logger.warning("freespec: --freespec-* flags take effect only with --speculative-algorithm NGRAM")
         plugin_options.export_env(drafter, config_path)
     return original(cls, args)
 
 
+def _vocab_size(worker) -> int | None:
+    """The target model's vocabulary size, where the worker exposes it."""
+    model_config = getattr(getattr(worker, "model_runner", None), "model_config", None)
+    size = getattr(model_config, "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def _offers(reqs):
+    """(rid, prompt in the worker's coordinates, output, unpadded prompt) per request."""
+    for req in reqs:
+        unpadded = getattr(req, "origin_input_ids_unpadded", None)
+        unpadded = req.origin_input_ids if unpadded is None else unpadded
+        yield req.rid, unpadded if _worker_reads_unpadded else req.origin_input_ids, req.output_ids, unpadded
+
+
 def prepare_draft_tokens_before(worker, batch, *args, **kwargs):
     """BEFORE ``NGRAMWorker._prepare_draft_tokens(batch)``: offer the corpus every request's full context."""
     corpus = getattr(worker, "ngram_corpus", None)
     if isinstance(corpus, DraftServer):
-        corpus.offer_contexts((req.rid, req.origin_input_ids, req.output_ids) for req in batch.reqs)
+        if corpus.vocab_size is None and _vocab_size(worker) is not None:
+            corpus.set_vocab_size(_vocab_size(worker))
+        corpus.offer_contexts(_offers(batch.reqs))
     return None
 
 
@@ -165,8 +187,11 @@ def install() -> None:
     if _originals:
         logger.debug("freespec: SGLang hooks already registered")
         return
+    global _worker_reads_unpadded
     resolved = check()
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    _worker_reads_unpadded = parse_version(import_sglang().__version__) >= UNPADDED_FROM
 
     HookRegistry.register(ADD_CLI_ARGS, add_cli_args_after, HookType.AFTER)
     HookRegistry.register(FROM_CLI_ARGS, from_cli_args_around, HookType.AROUND)
@@ -187,8 +212,10 @@ def original(target: str):
 
 def uninstall() -> None:
     """Drop the hooks and put every original back, in every module that took a copy."""
+    global _worker_reads_unpadded
     if not _originals:
         return
+    _worker_reads_unpadded = False
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     ours = {add_cli_args_after, from_cli_args_around, DraftServer, prepare_draft_tokens_before}

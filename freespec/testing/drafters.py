@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..draft import Budget, Draft
-from .base import Drafter, as_token_array
+from ..drafters.base import Drafter, as_token_array
 
 
 class _ReferenceDrafter(Drafter):

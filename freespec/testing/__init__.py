@@ -1,0 +1,5 @@
+"""Test helpers that ship with freespec, so that tests of other packages built on it can use them.
+
+models.py    tiny random-weight causal LMs, one builder for every architecture family (``tiny_random``)
+drafters.py  drafters that know the true continuation: ``OracleDrafter`` (always right), ``WrongDrafter``
+"""

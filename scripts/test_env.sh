@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Run part of the suite in a second environment: a virtualenv under .ci/venvs ($FREESPEC_VENVS),
+# built on first use (scripts/make_venv.sh) and reused while nothing it is built from changed.
+#   bash scripts/test_env.sh lowest [pytest args]   # the lowest versions freespec declares (transformers 4.57.1,
+#                                                   # scripts/constraints-lowest.txt): the tests of the Hugging Face path
+#                                                   # (exactness, patch, tree, batch, lossless, contract, sampling; not slow)
+#   bash scripts/test_env.sh sglang [pytest args]   # sglang 0.5.21 and its transformers 5.12.1: SGLang and packaging tests
+set -euo pipefail
+cd "$(dirname "$0")/.."
+name=${1:?usage: test_env.sh lowest|sglang [pytest args]}
+shift
+venv=${FREESPEC_VENVS:-.ci/venvs}/$name
+case $name in
+  lowest)
+    bash scripts/make_venv.sh "$venv" -c scripts/constraints-lowest.txt -e ".[test]"
+    tests=(tests/test_exactness.py tests/test_patch.py tests/test_tree.py tests/test_batch.py tests/test_lossless.py
+           tests/test_contract.py tests/test_sampling.py -m "not slow") ;;
+  sglang)
+    bash scripts/install_sglang.sh "$venv"
+    tests=(tests/test_sglang_adapter.py tests/test_sglang_plugin.py tests/test_packaging.py) ;;
+  *)
+    echo "test_env.sh: unknown environment '$name' (lowest, sglang)" >&2
+    exit 2 ;;
+esac
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}  # no busy-waiting OpenMP threads on a shared machine
+# Numba caches compiled kernels per environment (each has its own numba); compile the tree walks here,
+# not inside the first example of a hypothesis test with a deadline
+venv=$(cd "$venv" && pwd)
+export NUMBA_CACHE_DIR=$venv.numba-cache
+"$venv/bin/python" -c "
+import numba, numpy, torch, transformers
+from freespec import tree
+parents = [-1, 0, 0, 1]
+tree.node_depths(parents), tree.ancestor_matrix(parents), tree.bfs_order(parents), tree.topological_order(parents)
+print('test_env: $name: transformers', transformers.__version__, 'torch', torch.__version__, 'numba', numba.__version__,
+      'numpy', numpy.__version__)"
+exec "$venv/bin/python" -m pytest "${tests[@]}" "$@"
