@@ -261,6 +261,21 @@ def test_mixture_with_early_exit_is_plain_decoding():
                        drafter="mixture", drafter_options=dict(early_exit=True))
 
 
+def test_mixture_self_drafts_in_a_batch_of_one_only():
+    """In a batch the early-exit source stays off (its passes run row by row; its gate's numbers are
+    a batch of one's); the output is plain batched decoding. With lookahead it is refused."""
+    model = six_layer_llama()
+    ids, mask = left_padded(PROMPTS, model.config.pad_token_id)
+    gen = dict(max_new_tokens=20, do_sample=False, pad_token_id=model.config.pad_token_id)
+    drafter = make("mixture", early_exit=True)
+    drafter.early_exit = EarlyExitDrafter(**FIXED)
+    out, stats = patched_generate(model, drafter, ids, attention_mask=mask, **gen)
+    assert out.tolist() == plain_generate(model, ids, attention_mask=mask, **gen).tolist()
+    assert stats.fallback_reason is None and "early_exit" not in stats.per_drafter
+    with pytest.raises(ValueError, match="lookahead"):
+        make("mixture", early_exit=True, lookahead=True)
+
+
 def test_gate_drafts_only_when_live_numbers_predict_a_gain():
     from freespec.drafters.base import ForwardReport
     from freespec.drafters.early_exit import PROBE_EVERY
