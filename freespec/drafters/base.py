@@ -9,6 +9,7 @@ engine drives it through one request's life::
                                                      # freespec.documents(...))
     drafter.add_prediction(request_id, ids)          # only with generate(prediction=...)
     while not done:
+        drafter.on_verified_cache(request_id, cache, cache_len)  # for model drafters
         draft = drafter.propose(request_id, budget)   # a Draft within budget
         ...one verify forward...
         drafter.on_forward(report)                    # size and time of that forward
@@ -27,7 +28,9 @@ drafters that read the model:
 - **Model drafters.** A drafter with ``needs_model = True`` receives, once,
   ``attach_model(handle)``: a narrow handle the engine builds from the host
   model's public modules (run some decoder layers against the verified cache,
-  the final norm, the LM head). Only such drafters ever see torch.
+  the final norm, the LM head). Only such drafters ever see torch. Before
+  each ``propose`` the engine hands such a drafter the request's verified
+  cache (``on_verified_cache``; in a batch, the row's own) to run the handle against.
 
 Worked example: token recycling in miniature. The target's top-1 after each
 fed token comes back through ``observe``; the draft chains those successors
@@ -238,6 +241,16 @@ class Drafter:
         Default: ``TypeError``: a drafter that declares ``needs_model`` must override it.
         """
         raise TypeError(f"drafter {self.name!r} declares needs_model but does not implement attach_model()")
+
+    def on_verified_cache(self, request_id: Hashable, cache, cache_len: int) -> None:
+        """The request's verified KV cache, handed over before each ``propose`` (drafters with ``needs_model``).
+
+        A cache of one row (in a batch, ``batch.RowCacheView``: the row's slots after its
+        left pads): its first ``cache_len`` entries hold ``context(request_id)[:cache_len]``
+        at positions ``0..cache_len-1``; the rest of the context is pending (fed by the next
+        forward). It is the engine's, valid until that forward: a drafter reads it through
+        its model handle (``DraftCache``) and never writes it. Default: ignored.
+        """
 
     def warmup(self) -> None:
         """Compile kernels ahead of the first request (no-op when there are none)."""
