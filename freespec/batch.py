@@ -66,6 +66,14 @@ class KVLayout:
         self.positions = np.zeros((batch_size, 0), np.int64)
         self.ends = np.zeros(batch_size, np.int64)
 
+    @classmethod
+    def of_text(cls, length: int) -> "KVLayout":
+        """One row whose cache holds its first ``length`` tokens, no pads: slot i is position i."""
+        layout = cls(1)
+        layout.positions = np.arange(length, dtype=np.int64)[None]
+        layout.ends[0] = length
+        return layout
+
     @property
     def length(self) -> int:
         return int(self.positions.shape[1])
@@ -114,6 +122,20 @@ class KVLayout:
         allowed[alone, alone_slots] = True
         return allowed
 
+    def row_view(self, cache, r: int, start: int) -> tuple["RowCacheView", int]:
+        """(row ``r``'s cached text as a cache of one row, its length), read in place.
+
+        ``start``: the row's left pads; its slots ``[start, ends[r])`` hold logical
+        positions ``0, 1, ...`` (compaction moves kept entries to the end of the text,
+        so the text has no holes). Row 1 of ``[- - a b c | x y - - -]`` with 2 pads:
+        slots 2..4, length 3, position i in slot i of the view.
+        """
+        end = int(self.ends[r])
+        start = min(int(start), end)  # before the prefill nothing is cached, pads included
+        if not np.array_equal(self.positions[r, start:end], np.arange(end - start)):
+            raise ValueError(f"row {r}'s cached text is not positions 0.. after its {start} pads")
+        return RowCacheView(cache, r, start, end), end - start
+
     # ---------------------------------------------------------------- after the forward
     def compact(self, cache, rows: list[RowStep], kept_nodes: list[list[int]]) -> None:
         """Keep each row's pending tokens and ``kept_nodes``, moved to the end of its text; crop the rest."""
@@ -156,6 +178,28 @@ class KVLayout:
         for layer in _layers(cache):
             layer.keys = layer.keys[index.to(layer.keys.device)][..., :new_length, :]
             layer.values = layer.values[index.to(layer.values.device)][..., :new_length, :]
+
+
+class RowCacheView:
+    """One row's slots ``[start, end)`` of a host cache: ``layers[i].keys`` / ``.values`` [1, heads, end - start, dim].
+
+    Views of the host's tensors (no copy), valid until the next forward or compaction;
+    a layer not yet filled has ``keys is None``.
+    """
+
+    def __init__(self, cache, r: int, start: int, end: int):
+        self.layers = []
+        for layer in getattr(cache, "layers", ()):
+            filled = getattr(layer, "is_initialized", True) and getattr(layer, "keys", None) is not None
+            keys = layer.keys[r: r + 1, :, start:end] if filled else None
+            values = layer.values[r: r + 1, :, start:end] if filled else None
+            self.layers.append(_LayerView(keys, values))
+
+
+@dataclass
+class _LayerView:
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
 
 
 def _layers(cache):

@@ -21,8 +21,10 @@ One step, as ``SpeculativeDecoder.generate`` runs it::
 A row that finishes leaves the batch (its cache rows are dropped), so it stops
 costing compute; a batch of one is the same loop.
 
-Drafter hooks: ``on_forward`` gets every forward's ``ForwardReport``;
-``observe`` the target's top-k at every fed node (``observe_top_k``).
+Drafter hooks: ``on_verified_cache`` gets, for model drafters, each row's own
+verified cache (``KVLayout.row_view``) before its ``propose``; ``on_forward``
+gets every forward's ``ForwardReport``; ``observe`` the target's top-k at every
+fed node (``observe_top_k``).
 """
 
 from __future__ import annotations
@@ -213,9 +215,7 @@ def tree_forward(model, traits: ModelTraits, cache, cache_len: int, pending: lis
     Returns float32 logits of the last pending token (row 0) and of every draft
     node (row i + 1), ``[n + 1, V]``; the cache grows by ``len(pending) + n`` entries.
     """
-    layout = KVLayout(1)
-    layout.positions = np.arange(cache_len, dtype=np.int64)[None]
-    layout.ends[0] = cache_len
+    layout = KVLayout.of_text(cache_len)
     row = RowStep(list(pending), np.arange(cache_len, cache_len + len(pending), dtype=np.int64), draft)
     return forward_rows(model, traits, cache, layout, [row])[0, : draft.num_nodes + 1]
 
@@ -288,8 +288,9 @@ class SpeculativeDecoder:
             active = [row for row in rows if not row.done]
             while active:
                 self._follow_model_cache_policy(active, cache, layout)
-                steps = [RowStep(row.pending, row.pending_positions, self._timed_draft(self._propose, row, len(active)))
-                         for row in active]
+                steps = [RowStep(row.pending, row.pending_positions,
+                                 self._timed_draft(self._propose, row, len(active), cache, layout, r))
+                         for r, row in enumerate(active)]
                 t0 = time.perf_counter()
                 logits = self._forward(active, steps, cache, layout)
                 acceptances = [self._accept(row, step.draft, logits[r]) for r, (row, step) in enumerate(zip(active, steps))]
@@ -369,7 +370,7 @@ class SpeculativeDecoder:
             row.pending = list(row.sequence)
             row.pending_positions = np.arange(len(row.sequence), dtype=np.int64)
 
-    def _propose(self, row: Row, batch_size: int) -> Draft:
+    def _propose(self, row: Row, batch_size: int, cache, layout: KVLayout, r: int) -> Draft:
         budget = self.config.step_budget(row.max_length - len(row.sequence))
         depth_limit = self.traits.draft_depth_limit(row.num_committed)
         if depth_limit is not None and depth_limit < budget.max_depth:
@@ -378,6 +379,8 @@ class SpeculativeDecoder:
             budget = Budget(budget.num_nodes, budget.max_depth, batch_size)
         if budget.max_depth == 0:
             return Draft.empty()
+        if self.drafter.needs_model:  # row r's verified text: its slots after the left pads
+            self.drafter.on_verified_cache(row.request_id, *layout.row_view(cache, r, row.num_pads))
         draft = self.drafter.propose(row.request_id, budget)
         if not draft.num_nodes:
             return draft

@@ -86,7 +86,7 @@ class PatchedGenerate:
         self.stats = SpecStats()
         self.warned: set[str] = set()
         if self.drafter.needs_model:
-            self.drafter.attach_model(model_handle(model))
+            self.drafter.attach_model(model_handle(model, self.drafter.name))
 
     @property
     def __wrapped__(self):
@@ -101,11 +101,19 @@ class PatchedGenerate:
         return _generate(self, *args, **kwargs)
 
 
-def model_handle(model):
-    """The narrow handle a drafter with ``needs_model`` receives (``freespec.model_handle``)."""
-    from ..model_handle import ModelHandle
+def model_handle(model, drafter_name: str):
+    """The narrow handle a drafter with ``needs_model`` receives (``freespec.model_handle``).
 
-    return ModelHandle.of(model)
+    An architecture the handle does not support raises ``ValueError`` naming the
+    drafter and the architecture: only drafters that run the model refuse it.
+    """
+    from ..model_handle import ModelHandle, UnsupportedModel
+
+    try:
+        return ModelHandle.of(model)
+    except UnsupportedModel as exc:
+        raise ValueError(f"drafter {drafter_name!r} drafts with the model's own layers and cannot run on this "
+                         f"model: {exc}; choose a drafter that does not (e.g. mixture)") from None
 
 
 def _check_transformers_version() -> None:

@@ -17,6 +17,7 @@ _REGISTRY = {
     "prediction": "freespec.drafters.prediction:PredictionDrafter",
     "recycle": "freespec.drafters.recycle:RecycleDrafter",
     "lookahead": "freespec.drafters.lookahead:LookaheadDrafter",
+    "early_exit": "freespec.drafters.early_exit:EarlyExitDrafter",
 }
 
 

@@ -9,6 +9,7 @@ engine drives it through one request's life::
                                                      # freespec.documents(...))
     drafter.add_prediction(request_id, ids)          # only with generate(prediction=...)
     while not done:
+        drafter.on_verified_cache(request_id, cache, cache_len)  # for model drafters
         draft = drafter.propose(request_id, budget)   # a Draft within budget
         ...one verify forward...
         drafter.on_forward(report)                    # size and time of that forward
@@ -27,7 +28,9 @@ drafters that read the model:
 - **Model drafters.** A drafter with ``needs_model = True`` receives, once,
   ``attach_model(handle)``: a narrow handle the engine builds from the host
   model's public modules (run some decoder layers against the verified cache,
-  the final norm, the LM head). Only such drafters ever see torch.
+  the final norm, the LM head). Only such drafters ever see torch. Before
+  each ``propose`` the engine hands such a drafter the request's verified
+  cache (``on_verified_cache``; in a batch, the row's own) to run the handle against.
 
 Worked example: token recycling in miniature. The target's top-1 after each
 fed token comes back through ``observe``; the draft chains those successors
@@ -59,7 +62,7 @@ each live request as a growing int32 array, and lifecycle checks
 **Threads.** A host may call one drafter from several threads (two threads
 calling ``generate()`` on one patched model share its drafter). Every hook
 (``start``, ``propose``, ``extend``, ``observe``, ``stop``, ``add_documents``,
-``add_prediction``, ``on_forward``, ``attach_model``, ``warmup``), in ``Drafter`` and in any
+``add_prediction``, ``on_verified_cache``, ``on_forward``, ``attach_model``, ``warmup``), in ``Drafter`` and in any
 subclass that overrides it, runs holding the instance's reentrant lock
 (``__init_subclass__`` wraps the overrides; a hook added to ``Drafter`` takes
 ``@_locked``), so a subclass's state needs no
@@ -330,6 +333,17 @@ class Drafter(Lockable):
         Default: ``TypeError``: a drafter that declares ``needs_model`` must override it.
         """
         raise TypeError(f"drafter {self.name!r} declares needs_model but does not implement attach_model()")
+
+    @_locked
+    def on_verified_cache(self, request_id: Hashable, cache, cache_len: int) -> None:
+        """The request's verified KV cache, handed over before each ``propose`` (drafters with ``needs_model``).
+
+        A cache of one row (in a batch, ``batch.RowCacheView``: the row's slots after its
+        left pads): its first ``cache_len`` entries hold ``context(request_id)[:cache_len]``
+        at positions ``0..cache_len-1``; the rest of the context is pending (fed by the next
+        forward). It is the engine's, valid until that forward: a drafter reads it through
+        its model handle (``DraftCache``) and never writes it. Default: ignored.
+        """
 
     @_locked
     def warmup(self) -> None:

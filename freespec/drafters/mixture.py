@@ -37,6 +37,15 @@ corpus match fills the tree where it is trusted, recycled nodes fill what the co
 still affords (one to three nodes on a CPU in float32, where c(4) ~ 1.9; dozens where it
 is flat), and the window rides only where its measured value beats its cost.
 
+Self-drafting (``early_exit=True``, opt-in): where the sizer keeps no node worth
+verifying, an ``EarlyExitDrafter`` drafts with the target's own layers, but only
+in a batch of one and when its live numbers (the draft pass's measured cost,
+c(n) of the verify forwards, its acceptance per step) predict a gain over plain
+decoding (``EarlyExitDrafter.worth_drafting``); its tree is verified as it is
+(its threshold was chosen with the pass's cost, which is spent by then). The
+mixture then needs the model (``needs_model``) and only architectures with a
+model handle can be patched. It excludes ``lookahead``, which fills the same gap.
+
 State across requests: the cost model and the calibration counts are numbers about the
 model and the machine, shared. The successor table is shared across requests by default
 (``recycle_shared``; about 9 MB for a 152k vocabulary): a token's successors learned in
@@ -58,6 +67,7 @@ from ..tree import follow
 from .base import Drafter, ForwardReport, VerifyOutput, exercise
 from .calibration import DraftSizer, calibrate_lookup
 from .corpus import DocumentIndex, DocumentSource
+from .early_exit import EarlyExitDrafter
 from .lookahead import LookaheadSource
 from .ngram_table import NgramTableDrafter
 from .options import check_bool, check_int
@@ -87,6 +97,7 @@ class MixtureDrafter(Drafter):
     lookahead: a Jacobi window and n-gram pool (``LookaheadSource``), off by default;
         lookahead_window / lookahead_ngram / lookahead_guesses: its W, N, G.
     prior_cost_slope: the cost model's prior, ``c(n) = 1 + slope (n - 1)``.
+    early_exit: self-draft with the target's own layers where no other source pays (see above).
     """
 
     name = "mixture"
@@ -101,7 +112,7 @@ class MixtureDrafter(Drafter):
                  ngram: bool = False, ngram_below: int = 3, ngram_shared: bool = False,
                  recycle: bool = True, recycle_below: int = 0, recycle_top_k: int = 8, recycle_shared: bool = True,
                  lookahead: bool = False, lookahead_window: int = 5, lookahead_ngram: int = 4,
-                 lookahead_guesses: int = 5, prior_cost_slope: float = 0.03):
+                 lookahead_guesses: int = 5, prior_cost_slope: float = 0.03, early_exit: bool = False):
         super().__init__()
         history = resolve_history(history_tokens, history_prompts, history)
         self.suffix = SuffixSource(min_match, max_depth, min_prob, max_occurrences, history)
@@ -120,6 +131,10 @@ class MixtureDrafter(Drafter):
         self.observe_top_k = self.recycle.top_k if self.recycle is not None else (1 if self.lookahead else 0)
         self.sizer = DraftSizer(adaptive, prior_cost_slope)
         self._pool_only: dict[Hashable, tuple[Draft, np.ndarray]] = {}  # request -> verified draft, pool-only nodes
+        if check_bool("early_exit", early_exit) and self.lookahead is not None:
+            raise ValueError("early_exit and lookahead both draft where lookup has nothing; enable one of them")
+        self.early_exit = EarlyExitDrafter() if early_exit else None
+        self.needs_model = early_exit
 
     @property
     def history(self) -> RequestHistory | None:
@@ -147,6 +162,8 @@ class MixtureDrafter(Drafter):
             self.recycle.start(request_id, context)
         if self.lookahead is not None:
             self.lookahead.start(request_id, lambda: self.context(request_id), self._successor(request_id))
+        if self.early_exit is not None:
+            self.early_exit.start(request_id, context)
 
     def add_documents(self, request_id: Hashable, docs: Iterable, tokenizer=None) -> None:
         """Add documents (1-D token ids, or texts with ``tokenizer``) seen only by this request."""
@@ -172,6 +189,8 @@ class MixtureDrafter(Drafter):
                 accepted = follow(verified[0].parents, verified[0].token_ids, ids)
                 self.lookahead.credit(int(verified[1][accepted].sum()))
             self.lookahead.advance(request_id, ids.shape[0], self._successor(request_id))
+        if self.early_exit is not None:
+            self.early_exit.extend(request_id, ids)
 
     def observe(self, request_id, verify_output: VerifyOutput) -> None:
         """The target's top-k at every fed node: rows of the successor table; the lookahead window's outputs."""
@@ -186,12 +205,22 @@ class MixtureDrafter(Drafter):
         self.suffix.stop(request_id)
         self.documents.stop(request_id)
         self.prediction.stop(request_id)
-        for source in (self.ngram, self.recycle, self.lookahead):
+        for source in (self.ngram, self.recycle, self.lookahead, self.early_exit):
             if source is not None:
                 source.stop(request_id)
 
     def on_forward(self, report: ForwardReport) -> None:
         self.sizer.on_forward(report)
+        if self.early_exit is not None:
+            self.early_exit.on_forward(report)
+
+    def attach_model(self, handle) -> None:
+        """The model handle, for the early-exit source (only called with ``early_exit=True``)."""
+        self.early_exit.attach_model(handle)
+
+    def on_verified_cache(self, request_id, cache, cache_len: int) -> None:
+        if self.early_exit is not None:
+            self.early_exit.on_verified_cache(request_id, cache, cache_len)
 
     def _successor(self, request_id):
         """The lookahead window's guess of what follows a token: the successor table's top-1, if any."""
@@ -242,11 +271,18 @@ class MixtureDrafter(Drafter):
         else:
             merged, kinds = Draft.empty(), []
         if self.lookahead is None:
-            return self.sizer.select(request_id, merged, kinds, budget)[0]
+            chosen = self.sizer.select(request_id, merged, kinds, budget)[0]
+            return chosen if chosen.num_nodes else self._self_draft(request_id, budget)
         options = self.lookahead.options(request_id, budget)
         chosen, option = self.sizer.select(request_id, merged, kinds, budget, tuple(options))
         self._remember_pool_only(request_id, scored, chosen)
         return self.lookahead.hang_window(request_id, chosen, options[option][0])
+
+    def _self_draft(self, request_id, budget: Budget) -> Draft:
+        """The early-exit draft, in a batch of one, when its gate predicts a gain; else none."""
+        if self.early_exit is None or budget.batch_size != 1 or not self.early_exit.worth_drafting(request_id):
+            return Draft.empty()
+        return self.early_exit.propose(request_id, budget)
 
     def _remember_pool_only(self, request_id, scored: list, chosen: Draft) -> None:
         """Which verified candidates only the lookahead pool proposed (their acceptance is the window's credit)."""
