@@ -68,14 +68,21 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--limit", type=int, help="at most N items, taken round-robin over categories")
     bench.add_argument("--categories", help="comma-separated categories to keep")
     bench.add_argument("--max-new-tokens", type=int, default=256, help="per prompt (default: %(default)s)")
-    bench.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    bench.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16", "float16"),
+                       help="(default: %(default)s) in bfloat16/float16 speculation may depart from plain decoding "
+                            "(rounding): differences are reported, and fail the run only with --require-identical")
+    bench.add_argument("--batch-size", type=int, default=1, metavar="B",
+                       help="run every method on left-padded batches of B prompts (vanilla: plain batched "
+                            "generate(); hf-pld has no batch mode and is skipped for B > 1) (default: %(default)s)")
     bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     bench.add_argument("--seed", type=int, default=0, help="sampling seed (per prompt: derived from it)")
     bench.add_argument("--threads", type=int, help="torch.set_num_threads(N) (default: torch's choice)")
     bench.add_argument("--save-traces", action="store_true",
                        help="write traces.jsonl (prompt ids, greedy output ids, category) for freespec replay")
     bench.add_argument("--allow-mismatch", action="store_true",
-                       help="exit 0 even if a greedy output differs from vanilla (still reported)")
+                       help="exit 0 even if a greedy output differs from vanilla in float32/float64 (still reported)")
+    bench.add_argument("--require-identical", action="store_true",
+                       help="exit 1 if a greedy output differs from vanilla in bfloat16/float16 too")
     bench.add_argument("--no-warmup", action="store_true", help="skip the warm-up generate() of each method")
     bench.add_argument("--no-cost-probe", action="store_true",
                        help="skip measuring the cost curve c(k) before the prompts (~20 s on smollm2-135m)")
@@ -157,24 +164,25 @@ def bench_command(args, argv=None) -> int:
     if not has_chat_template(tokenizer):
         notes.append(PLAIN_FORMAT_NOTE)
         print(f"note: {PLAIN_FORMAT_NOTE}")
-    cost_curve = None if args.no_cost_probe else _probe_costs(model)
+    cost_curve = None if args.no_cost_probe else _probe_costs(model, args.batch_size)
     num_prompts = sum(len(item.turns) for item in items)
-    print(f"{len(items)} items, {num_prompts} prompts, methods: {', '.join(m.label for m in methods)}; "
-          f"{torch.get_num_threads()} threads", flush=True)
+    print(f"{len(items)} items, {num_prompts} prompts, batch size {args.batch_size}, methods: "
+          f"{', '.join(m.label for m in methods)}; {torch.get_num_threads()} threads", flush=True)
 
     run = run_bench(model, tokenizer, items, methods, max_new_tokens=args.max_new_tokens,
                     temperature=args.temperature, seed=args.seed, warmup=not args.no_warmup,
-                    save_traces=args.save_traces, progress=not args.no_progress)
+                    save_traces=args.save_traces, progress=not args.no_progress, batch_size=args.batch_size)
     results = _bench_results(args, argv, methods, categories, run, notes, cost_curve)
     return _write_bench_outputs(args, results, run)
 
 
-def _probe_costs(model) -> dict:
-    """The cost curve of this model, dtype and thread count, measured before the prompts."""
+def _probe_costs(model, batch_size: int = 1) -> dict:
+    """The cost curve of this model, dtype, thread count and batch size, measured before the prompts."""
     from .bench.cost import measure_cost_curve
 
-    print("measuring the cost curve c(k) (--no-cost-probe to skip) ...", flush=True)
-    cost_curve = measure_cost_curve(model)
+    print(f"measuring the cost curve c(k){f' at batch size {batch_size}' if batch_size > 1 else ''} "
+          f"(--no-cost-probe to skip) ...", flush=True)
+    cost_curve = measure_cost_curve(model, batch_size=batch_size)
     print("c(k): " + ", ".join(f"{k}:{ratio:.2f}" for k, ratio in zip(cost_curve["sizes"], cost_curve["ratios"]))
           + f" ({cost_curve['ms'][0]:.1f} ms at k=1; {cost_curve['seconds']:.1f} s)", flush=True)
     return cost_curve
@@ -194,6 +202,10 @@ def _bench_inputs(args):
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.allow_mismatch and args.require_identical:
+        raise ValueError("--allow-mismatch and --require-identical contradict each other: give one")
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     return methods, categories, load_dataset(args.dataset, limit=args.limit, categories=categories)
 
@@ -203,14 +215,15 @@ def _bench_results(args, argv, methods, categories, run, notes: list[str], cost_
     import torch
 
     from .bench.environment import environment
-    from .bench.report import summarize
+    from .bench.report import identity_summary, summarize
 
     labels = [m.label for m in methods if m.label not in run.unavailable]
-    return {
+    results = {
         "config": {"model": args.model, "dataset": args.dataset, "methods": [m.label for m in methods],
                    "limit": args.limit, "categories": categories, "max_new_tokens": args.max_new_tokens,
                    "dtype": args.dtype, "temperature": args.temperature, "seed": args.seed,
-                   "threads": torch.get_num_threads(), "warmup": not args.no_warmup},
+                   "threads": torch.get_num_threads(), "warmup": not args.no_warmup,
+                   "batch_size": args.batch_size},
         "environment": environment(argv),
         "greedy": run.greedy,
         "reference": run.reference,
@@ -221,6 +234,8 @@ def _bench_results(args, argv, methods, categories, run, notes: list[str], cost_
         "cost_curve": cost_curve,
         "prompts": run.prompts,
     }
+    results["identity"] = identity_summary(results)
+    return results
 
 
 def _write_bench_outputs(args, results: dict, run) -> int:
@@ -235,11 +250,20 @@ def _write_bench_outputs(args, results: dict, run) -> int:
     print(console_report(results))
     print()
     print("wrote " + ", ".join(str(p) for p in written))
-    if run.mismatches and not args.allow_mismatch:
+    if run.mismatches and mismatch_fails(args):
         print(f"!!! {len(run.mismatches)} greedy output mismatch(es): exit code {EXIT_MISMATCH} "
-              f"(--allow-mismatch to exit 0)", file=sys.stderr)
+              f"({'--allow-mismatch to exit 0' if args.dtype in ('float32', 'float64') else 'without --require-identical: exit 0'})",
+              file=sys.stderr)
         return EXIT_MISMATCH
     return 0
+
+
+def mismatch_fails(args) -> bool:
+    """Whether a greedy output that differs from vanilla fails the run: in float32/float64 unless
+    --allow-mismatch; in bfloat16/float16 (where rounding may change the output) only with --require-identical."""
+    if args.dtype in ("float32", "float64"):
+        return not args.allow_mismatch
+    return args.require_identical
 
 
 def _set_omp_wait_policy() -> str:

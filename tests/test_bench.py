@@ -462,6 +462,142 @@ def test_bench_rejects_bad_arguments_before_loading(tmp_path, capsys, monkeypatc
     assert main(["bench", "--model", "tiny", "--dataset", "builtin:nope", "--out", "x"]) == 2
 
 
+def test_left_pad_and_row_output():
+    from freespec.bench.runner import left_pad, row_output
+
+    ids, mask = left_pad([[5, 6], [7]], 0)
+    assert ids.tolist() == [[5, 6], [0, 7]] and mask.tolist() == [[1, 1], [0, 1]]
+    assert row_output([5, 2, 0, 0], [2]) == [5, 2] and row_output([5, 6], [2]) == [5, 6]
+    assert row_output([5, 3, 2, 3], [2, 3]) == [5, 3]
+
+
+def test_tokens_after_eos_are_counted_and_reported(tiny_model):
+    import torch
+
+    from freespec.bench.runner import ForwardCounter, MethodRunner, engine_disagreement, run_method
+
+    class Fixed(MethodRunner):
+        """Returns the prompt followed by ``new_rows``."""
+
+        def generate(self, model, input_ids, gen_kwargs):
+            return torch.cat([input_ids, torch.tensor(self.new_rows)], dim=1), None
+
+    prompt = torch.tensor([[3, 4], [3, 4], [3, 4]])
+    # EOS is 1, pad 0: row 0 padded after its EOS, row 1 pads with EOS (no pad token), row 2 goes on after it
+    runner = Fixed(parse_method("vanilla"))
+    runner.new_rows = [[5, 1, 0, 0], [6, 1, 1, 1], [7, 1, 9, 0]]
+    counter = ForwardCounter(tiny_model)
+    try:
+        outputs, record, _ = run_method(runner, tiny_model, counter, prompt, {"pad_token_id": 0}, eos_ids=(1,))
+    finally:
+        counter.close()
+    assert outputs == [[5, 1], [6, 1], [7, 1]] and record["row_new_tokens"] == [2, 2, 2]
+    assert record["rows_past_eos"] == 1
+    assert engine_disagreement("m", 3, None, record) == "!!! m prompt 3: 1 row(s) hold tokens after their EOS"
+    assert engine_disagreement("m", 3, None, dict(record, rows_past_eos=0)) is None
+
+
+def test_identity_summary_counts_rows_and_first_differences():
+    from freespec.bench.report import identity_rows, identity_summary
+
+    results = _synthetic_results()
+    results["prompts"][0]["rows"] = [{}, {}]  # a batch of two rows, then two prompts of one
+    results["mismatches"] = [{"method": "freespec", "first_difference": 5}, {"method": "freespec",
+                                                                             "first_difference": 12},
+                             {"method": "hf-pld", "first_difference": 40}]
+    identity = identity_summary(results)
+    assert identity["freespec"] == {"compared": 4, "identical": 2, "share": 0.5,
+                                    "first_difference": {"median": 8.5, "min": 5}}
+    assert identity["hf-pld"]["identical"] == 3 and "vanilla" not in identity
+    assert identity_rows(results)[1][0] == ["hf-pld", "3/4", "75%", "40", "40"]
+    assert identity_summary(dict(results, greedy=False)) == {}
+
+
+def _short_run(tmp_path, out: str, *extra: str) -> list[str]:
+    """Arguments of a quick bench of vanilla and prompt lookup on the tiny dataset, writing to ``out``."""
+    return ["bench", "--model", "tiny", "--dataset", str(_dataset(tmp_path)), "--methods",
+            "vanilla,freespec:prompt_lookup{min_match=1}", "--max-new-tokens", "6", "--no-warmup", "--no-progress",
+            "--no-plots", "--no-cost-probe", *extra, "--out", str(tmp_path / out)]
+
+
+def _corrupt_freespec_row(monkeypatch, row: int):
+    from freespec.bench import runner
+
+    real = runner.MethodRunner.generate
+
+    def corrupt(self, model, input_ids, gen_kwargs):
+        out, stats = real(self, model, input_ids, gen_kwargs)
+        if self.method.kind == "freespec" and out.shape[0] > row:
+            out = out.clone()
+            out[row, input_ids.shape[1] + 1] = (out[row, input_ids.shape[1] + 1] + 1) % 90 + 2  # never EOS (1)
+        return out, stats
+
+    monkeypatch.setattr(runner.MethodRunner, "generate", corrupt)
+
+
+def test_bench_batches_every_method_and_compares_row_by_row(tmp_path, tiny_model, capsys):
+    from freespec.cli import main
+
+    out = tmp_path / "batched"
+    code = main(["bench", "--model", "tiny", "--dataset", str(_dataset(tmp_path)), "--methods",
+                 "vanilla,hf-pld:4,freespec:prompt_lookup{min_match=1,max_draft_tokens=8}", "--max-new-tokens", "10",
+                 "--batch-size", "2", "--threads", "1", "--save-traces", "--no-progress", "--no-plots",
+                 "--out", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    results = json.loads((out / "results.json").read_text())
+    label = "freespec:prompt_lookup{min_match=1,max_draft_tokens=8}"
+    assert "hf-pld:4" in results["unavailable"] and "no batch mode" in results["unavailable"]["hf-pld:4"]
+    assert results["config"]["batch_size"] == 2 and results["cost_curve"]["batch_size"] == 2
+    # items 1 (two turns) and 2 (one turn): turn 1 is a batch of two rows, turn 2 a batch of one
+    assert [len(p["rows"]) for p in results["prompts"]] == [2, 1]
+    assert [r["item_id"] for r in results["prompts"][0]["rows"]] == ["1", "2"]
+    assert results["prompts"][0]["category"] == "mixed" and results["prompts"][1]["category"] == "rep"
+    first = results["prompts"][0]["methods"]
+    assert first["vanilla"]["tau"] == 1.0 and first["vanilla"]["row_forwards"] == first["vanilla"]["new_tokens"]
+    assert first[label]["rows_matching"] == 2 and first[label]["matches_reference"]
+    assert sum(first[label]["row_new_tokens"]) == first[label]["new_tokens"] == first[label]["engine"]["new_tokens"]
+    assert first[label]["row_forwards"] == first[label]["engine"]["row_forwards"]  # the hook's rows = the engine's
+    assert results["identity"][label] == {"compared": 3, "identical": 3, "share": 1.0, "first_difference": None}
+    assert not [n for n in results["notes"] if n.startswith("!!!")]  # the engine's counts agree with the hook's
+    assert all(m["rows_past_eos"] == 0 for p in results["prompts"] for m in p["methods"].values())
+    md = (out / "results.md").read_text()
+    assert "batch size 2" in md and "Greedy outputs identical to vanilla (rows" in md and "no batch mode" in md
+    assert "to each of 2 rows" in md
+    traces = [json.loads(line) for line in (out / "traces.jsonl").read_text().splitlines()]
+    assert [t["item_id"] for t in traces] == ["1", "2", "1"]
+
+
+def test_bench_batch_mismatch_names_the_row(tmp_path, tiny_model, monkeypatch, capsys):
+    from freespec.cli import main
+
+    _corrupt_freespec_row(monkeypatch, row=1)
+    assert main(_short_run(tmp_path, "mm", "--batch-size", "2")) == 1
+    results = json.loads((tmp_path / "mm" / "results.json").read_text())
+    assert [(m["row"], m["item_id"], m["first_difference"]) for m in results["mismatches"]] == [(1, "2", 1)]
+    assert results["prompts"][0]["methods"]["freespec:prompt_lookup{min_match=1}"]["rows_matching"] == 1
+    assert "row 1" in capsys.readouterr().out
+
+
+def test_reduced_precision_reports_identity_and_exits_zero(tmp_path, tiny_model, monkeypatch, capsys):
+    from freespec.cli import main
+
+    _corrupt_freespec_row(monkeypatch, row=0)
+    args = _short_run(tmp_path, "bf16", "--dtype", "bfloat16")
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    results = json.loads((tmp_path / "bf16" / "results.json").read_text())
+    identity = results["identity"]["freespec:prompt_lookup{min_match=1}"]
+    assert identity["compared"] == 3 and identity["identical"] == 0 and identity["first_difference"]["min"] == 1
+    assert "Greedy outputs identical to vanilla" in text and "0/3" in text and "bfloat16: a forward" in text
+    assert "GREEDY OUTPUT MISMATCH" not in text  # reported as identity, not as an error
+    md = (tmp_path / "bf16" / "results.md").read_text()
+    assert "| freespec:prompt_lookup{min_match=1} | 0/3 | 0% | 1 | 1 |" in md
+    assert main(args + ["--require-identical"]) == 1
+    assert main(_short_run(tmp_path, "f32", "--dtype", "float32")) == 1
+    assert main(args + ["--require-identical", "--allow-mismatch"]) == 2
+
+
 def test_cli_help(capsys):
     from freespec.cli import main
 

@@ -91,3 +91,25 @@ def test_probe_on_tiny_models_has_the_documented_shape(tiny_llama, tiny_gemma3):
         measure_cost_curve(tiny_llama, sizes=(2, 4))
     with pytest.raises(ValueError, match="repeats"):
         measure_cost_curve(tiny_llama, repeats=0)
+
+
+def test_batch_probe_feeds_k_tokens_to_every_row_over_the_prefix(tiny_llama):
+    shapes = []
+    handle = tiny_llama.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
+                                                  with_kwargs=True)
+    try:
+        probe = measure_cost_curve(tiny_llama, sizes=(1, 2, 4), prefix_tokens=16, repeats=2, prefill_repeats=1,
+                                   batch_size=3)
+    finally:
+        handle.remove()
+    assert probe["batch_size"] == 3 and probe["one_row_ms"] > 0 and len(probe["ms"]) == 3
+    timed = [s for s in shapes if s[1] in (1, 2, 4)]  # after the prefills of 16 tokens
+    assert {s for s in timed if s[0] == 3} == {(3, 1), (3, 2), (3, 4)} and {s for s in timed if s[0] == 1} == {(1, 1)}
+    assert len([s for s in timed if s[0] == 3]) == 3 * 3  # 3 sizes x (1 untimed + 2 timed rounds)
+
+
+def test_replay_refuses_a_curve_measured_on_batches(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"config": {}, "cost_curve": dict(_probe_like(), batch_size=4)}))
+    with pytest.raises(ValueError, match="batch size 4.*--batch-size 1"):
+        CostCurve.load(str(path), "--cost-curve")

@@ -7,11 +7,15 @@ an Intel Xeon with AMX a bfloat16 forward over 64 tokens costs about what a
 one-token forward costs, while in float32 on 2 CPU threads c(2..16) is ~2.2.
 
 - ``measure_cost_curve(model)``: ``freespec bench``'s probe. Over a cached
-  prefix of 512 random tokens it times the engine's own ``tree_forward`` with
-  a chain draft for k = 1, 2, 4, ..., 64 (the exact forward verification
-  runs), resetting the cache with ``compact_cache`` after each, a few rounds
-  in alternating order, and takes medians; it also times the prefill of the
-  prefix itself (k = 512 over an empty cache).
+  prefix of 512 random tokens it times the engine's own verify forward
+  (``forward_rows``) with a chain draft for k = 1, 2, 4, ..., 64 (the exact
+  forward verification runs), cropping the cache back to the prefix after
+  each, a few rounds in alternating order, and takes medians; it also times
+  the prefill of the prefix itself (k = 512 over an empty cache). With
+  ``batch_size=B`` every forward feeds k tokens to each of B rows (the prefix
+  prefilled once and copied to every row): c_B(k), what the mixture's
+  ``BatchCostModel`` learns live, and ``ms[0]`` over the batch-1 one-token
+  time (``one_row_ms``) says what a batch costs per row.
 - ``CostCurve``: c(k) as points, read from ``"1:1,2:1.16,4:1.06"``
   (``CostCurve.parse``) or from a bench ``results.json``
   (``CostCurve.from_results``), applied by ``freespec replay`` to simulate
@@ -104,6 +108,10 @@ class CostCurve:
         if not probe:
             raise ValueError(f"{argument}: {str(path)!r} holds no measured cost curve (a results.json of freespec "
                              f"bench run without --no-cost-probe)")
+        if probe.get("batch_size", 1) != 1:
+            raise ValueError(f"{argument}: the cost curve in {str(path)!r} was measured at batch size "
+                             f"{probe['batch_size']}; replay simulates one request at a time: use a results.json of "
+                             f"freespec bench at --batch-size 1")
         config = results.get("config", {})
         threads = probe.get("threads", "?")
         source = (f"{path} (measured: {config.get('model', '?')}, {config.get('dtype', '?')}, "
@@ -146,58 +154,83 @@ class CostCurve:
 
 
 def measure_cost_curve(model, sizes=PROBE_SIZES, prefix_tokens: int = 512, repeats: int = 5,
-                       prefill_repeats: int = 3, seed: int = 0) -> dict:
-    """Time the engine's verify forward feeding each of ``sizes`` tokens over ``prefix_tokens`` cached ones.
+                       prefill_repeats: int = 3, seed: int = 0, batch_size: int = 1) -> dict:
+    """Time the engine's verify forward feeding each of ``sizes`` tokens (to each of ``batch_size`` rows)
+    over ``prefix_tokens`` cached ones.
 
     Returns ``{"sizes", "ms" (median per size), "ratios" (ms / ms at size 1),
-    "samples_ms" (every timing, per size), "prefill": {"tokens", "ms"},
-    "prefix_tokens", "repeats", "threads", "dtype", "device", "seconds"}``.
-    One untimed round goes first; rounds alternate increasing and decreasing
-    order so a drift in the machine's speed hits every size alike.
+    "samples_ms" (every timing, per size), "prefill": {"tokens", "ms"} (one row),
+    "prefix_tokens", "repeats", "batch_size", "threads", "dtype", "device", "seconds"}``;
+    with ``batch_size`` > 1 also ``one_row_ms``: the median one-token forward of
+    a single row, timed in the same rounds. One untimed round goes first;
+    rounds alternate increasing and decreasing order so a drift in the
+    machine's speed hits every size alike.
     """
     import torch
 
+    from ..batch import KVLayout, RowStep
     from ..draft import Draft
-    from ..engine import ModelTraits, compact_cache, make_cache, tree_forward
+    from ..engine import ModelTraits, compact_cache, forward_rows, make_cache
 
     if not sizes or sizes[0] != 1 or any(b <= a for a, b in zip(sizes, sizes[1:])):
         raise ValueError(f"sizes must increase from 1, got {list(sizes)}")
-    if prefix_tokens < 1 or repeats < 1 or prefill_repeats < 1:
-        raise ValueError(f"prefix_tokens, repeats and prefill_repeats must be >= 1, got {prefix_tokens}, "
-                         f"{repeats}, {prefill_repeats}")
+    if prefix_tokens < 1 or repeats < 1 or prefill_repeats < 1 or batch_size < 1:
+        raise ValueError(f"prefix_tokens, repeats, prefill_repeats and batch_size must be >= 1, got {prefix_tokens}, "
+                         f"{repeats}, {prefill_repeats}, {batch_size}")
     started = time.perf_counter()
     traits = ModelTraits.of(model)
     vocab_size = model.get_input_embeddings().num_embeddings
     ids = np.random.default_rng(seed).integers(0, vocab_size, prefix_tokens + sizes[-1]).tolist()
     prefix, fed = ids[:prefix_tokens], ids[prefix_tokens:]
+    positions = np.arange(prefix_tokens + 1, dtype=np.int64)
 
-    def timed_ms(cache, cache_len, pending, draft) -> float:
+    def timed_ms(cache, layout, rows) -> float:
         _synchronize(model.device)
         t0 = time.perf_counter()
-        tree_forward(model, traits, cache, cache_len, pending, draft)
+        forward_rows(model, traits, cache, layout, rows)
         _synchronize(model.device)
         return 1000 * (time.perf_counter() - t0)
 
+    def prefilled(num_rows: int):
+        """A cache holding the prefix in every row (prefilled once, copied) and its layout."""
+        cache, layout = make_cache(), KVLayout(1)
+        timed_ms(cache, layout, [RowStep(prefix, positions[:-1], Draft.empty())])
+        layout.compact(cache, [RowStep(prefix, positions[:-1], Draft.empty())], [[]])
+        layout.drop_rows(cache, [0] * num_rows)  # row 0 kept num_rows times: a copy per row
+        return cache, layout
+
+    def step(k: int, num_rows: int) -> list:
+        return [RowStep(fed[:1], positions[-1:], Draft.chain(fed[1:k]))] * num_rows
+
     with torch.inference_mode():
-        prefill_ms = [timed_ms(make_cache(), 0, prefix, Draft.empty()) for _ in range(prefill_repeats + 1)][1:]
-        cache = make_cache()
-        timed_ms(cache, 0, prefix, Draft.empty())
+        prefill_ms = [timed_ms(make_cache(), KVLayout(1), [RowStep(prefix, positions[:-1], Draft.empty())])
+                      for _ in range(prefill_repeats + 1)][1:]
+        batch, single = prefilled(batch_size), (prefilled(1) if batch_size > 1 else None)
         samples: dict[int, list[float]] = {k: [] for k in sizes}
+        one_row: list[float] = []
         for rep in range(repeats + 1):  # round 0 warms up
             for k in (sizes if rep % 2 == 0 else sizes[::-1]):
-                ms = timed_ms(cache, prefix_tokens, fed[:1], Draft.chain(fed[1:k]))
-                compact_cache(cache, prefix_tokens, [])
+                ms = timed_ms(batch[0], batch[1], step(k, batch_size))
+                compact_cache(batch[0], prefix_tokens, [])  # every row holds the prefix again
                 if rep:
                     samples[k].append(ms)
+            if single is not None:
+                ms = timed_ms(single[0], single[1], step(1, 1))
+                compact_cache(single[0], prefix_tokens, [])
+                if rep:
+                    one_row.append(ms)
     medians = [statistics.median(samples[k]) for k in sizes]
-    return {
+    out = {
         "sizes": list(sizes), "ms": medians, "ratios": [ms / medians[0] for ms in medians],
         "samples_ms": {str(k): v for k, v in samples.items()},
         "prefill": {"tokens": prefix_tokens, "ms": statistics.median(prefill_ms)},
-        "prefix_tokens": prefix_tokens, "repeats": repeats, "threads": torch.get_num_threads(),
-        "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device),
-        "seconds": time.perf_counter() - started,
+        "prefix_tokens": prefix_tokens, "repeats": repeats, "batch_size": batch_size,
+        "threads": torch.get_num_threads(), "dtype": str(model.dtype).removeprefix("torch."),
+        "device": str(model.device), "seconds": time.perf_counter() - started,
     }
+    if one_row:
+        out["one_row_ms"] = statistics.median(one_row)
+    return out
 
 
 def _synchronize(device) -> None:

@@ -77,6 +77,7 @@ class ArcticSuffixDrafter(Drafter):
     """
 
     name = "arctic-suffix"
+    isolation_options = {"max_cached_requests": 0}  # no text crosses requests
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = -1, max_spec_factor: float = 1.0,
                  max_spec_offset: float = 0.0, min_token_prob: float = 0.1, use_tree_spec: bool = True):

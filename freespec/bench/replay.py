@@ -43,8 +43,8 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from ..config import SpecConfig
-from ..draft import Draft
-from ..drafters.base import Drafter, ForwardReport
+from ..draft import Budget, Draft
+from ..drafters.base import Drafter, ForwardReport, VerifyOutput
 from ..tree import follow
 from .cost import CostCurve
 from .jsonl import read_jsonl
@@ -76,6 +76,76 @@ def accepted_path(draft: Draft, truth: np.ndarray) -> list[int]:
     return follow(draft.parents, draft.token_ids, truth, draft.is_candidate)
 
 
+class ReplayedRequest:
+    """One recorded request stepped through a drafter, one forward at a time.
+
+    ``propose`` asks the drafter for this step's draft (the engine's budget;
+    none once no token may be drafted), ``commit`` verifies it against the
+    recorded output as greedy verification would (the longest matching path,
+    then the bonus token, cut at the output's end) and extends the drafter.
+    Several requests stepped in turn are a batch: ``freespec replay`` steps one
+    at a time, ``tests/test_soak.py`` many, interleaved, with one
+    ``ForwardReport`` per simulated forward.
+
+    ``observe_truth``: for drafters with ``observe_top_k``, call ``observe``
+    with the recorded token as the target's top-1 where the output says it (the
+    root and the accepted path; other nodes get their own token). That is a
+    stand-in for logits to exercise the hook, not what ``generate()`` observes.
+    ``call(method, *args)`` makes every drafter call (``freespec replay`` times them).
+    """
+
+    def __init__(self, drafter, request_id, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                 max_new_tokens: int, config: SpecConfig, observe_truth: bool = False,
+                 call: Callable = lambda method, *args: method(*args)):
+        self.drafter, self.request_id, self.config, self.call = drafter, request_id, config, call
+        self.prompt = np.asarray(prompt_ids, np.int64)
+        self.output = np.asarray(output_ids, np.int64)
+        self.max_new_tokens, self.observe_truth = max_new_tokens, observe_truth
+        self.generated = 0  # output tokens committed
+        self.forwards = 0
+
+    @property
+    def done(self) -> bool:
+        return self.generated >= self.output.shape[0]
+
+    def propose(self, batch_size: int = 1) -> Draft:
+        budget = self.config.step_budget(self.max_new_tokens - self.generated)
+        if budget.max_depth == 0:
+            return Draft.empty()
+        if batch_size != 1:
+            budget = Budget(budget.num_nodes, budget.max_depth, batch_size)
+        draft = self.call(self.drafter.propose, self.request_id, budget)
+        if draft.num_nodes:
+            draft.validate(budget)
+        return draft
+
+    def num_fed(self, draft: Draft) -> int:
+        """Tokens this step's forward feeds: the prompt (prefill) or the pending token, plus the draft."""
+        return (self.prompt.shape[0] if self.forwards == 0 else 1) + draft.num_nodes
+
+    def commit(self, draft: Draft) -> tuple[int, int]:
+        """Verify ``draft`` against the recording and extend the drafter: (accepted nodes, tokens committed)."""
+        truth = self.output[self.generated:]
+        accepted = accepted_path(draft, truth)
+        committed = min(len(accepted) + 1, truth.shape[0])
+        self.forwards += 1
+        if self.observe_truth and self.drafter.observe_top_k:
+            self.call(self.drafter.observe, self.request_id,
+                      VerifyOutput(draft, np.asarray(accepted, np.int64), _truth_top1(draft, accepted, truth)))
+        self.call(self.drafter.extend, self.request_id, truth[:committed])
+        self.generated += committed
+        return min(len(accepted), committed), committed
+
+
+def _truth_top1(draft: Draft, accepted: list[int], truth: np.ndarray) -> np.ndarray:
+    """[num_nodes + 1, 1]: the recorded next token at the root and after each accepted node, else the node's own."""
+    top1 = np.concatenate([truth[:1], draft.token_ids])  # row 0: the root, row i + 1: node i
+    for depth, node in enumerate(accepted, start=1):
+        if depth < truth.shape[0]:
+            top1[node + 1] = truth[depth]
+    return top1[:, None]
+
+
 def replay_one(drafter, request_id, prompt_ids: Sequence[int], output_ids: Sequence[int], max_new_tokens: int,
                config: SpecConfig, cost: CostCurve | None = None) -> dict:
     """Counters of one replayed request (the drafter is started and stopped here).
@@ -83,9 +153,7 @@ def replay_one(drafter, request_id, prompt_ids: Sequence[int], output_ids: Seque
     With ``cost``: ``forward_s`` (simulated forwards), ``plain_s`` (simulated
     plain decoding) and ``drafter_s`` (measured); without, those are 0.
     """
-    output = np.asarray(output_ids, np.int64)
-    prompt = np.asarray(prompt_ids, np.int64)
-    counts = {"new_tokens": int(output.shape[0]), "forwards": 0, "steps_with_draft": 0, "draft_tokens": 0,
+    counts = {"new_tokens": len(output_ids), "forwards": 0, "steps_with_draft": 0, "draft_tokens": 0,
               "accepted_draft_tokens": 0, "forward_s": 0.0, "drafter_s": 0.0, "plain_s": 0.0}
     def timed(method, *args):  # a drafter call, its wall time counted
         t0 = time.perf_counter()
@@ -94,34 +162,28 @@ def replay_one(drafter, request_id, prompt_ids: Sequence[int], output_ids: Seque
         finally:
             counts["drafter_s"] += time.perf_counter() - t0
 
-    timed(drafter.start, request_id, prompt)
+    request = ReplayedRequest(drafter, request_id, prompt_ids, output_ids, max_new_tokens, config, call=timed)
+    timed(drafter.start, request_id, request.prompt)
     try:
-        generated = 0
-        while generated < output.shape[0]:
-            budget = config.step_budget(max_new_tokens - generated)
-            draft = timed(drafter.propose, request_id, budget) if budget.max_depth > 0 else Draft.empty()
-            if draft.num_nodes:
-                draft.validate(budget)
-            truth = output[generated:]
-            accepted = accepted_path(draft, truth)
-            committed = min(len(accepted) + 1, truth.shape[0])
+        while not request.done:
+            draft = request.propose()
             prefill = counts["forwards"] == 0
             counts["forwards"] += 1
             if cost is not None:
-                num_fed = (prompt.shape[0] if prefill else 1) + draft.num_nodes
+                num_fed = request.num_fed(draft)
                 forward_s = cost.forward_ms(num_fed) / 1000
                 counts["forward_s"] += forward_s
                 timed(drafter.on_forward, ForwardReport((request_id,), (num_fed,), forward_s, prefill))
+            accepted, _ = request.commit(draft)
             if draft.num_nodes:
                 counts["steps_with_draft"] += 1
                 counts["draft_tokens"] += draft.num_nodes
-                counts["accepted_draft_tokens"] += min(len(accepted), committed)
-            timed(drafter.extend, request_id, truth[:committed])
-            generated += committed
+                counts["accepted_draft_tokens"] += accepted
     finally:
         timed(drafter.stop, request_id)
-    if cost is not None and output.shape[0]:
-        counts["plain_s"] = (cost.forward_ms(prompt.shape[0]) + (output.shape[0] - 1) * cost.forward_ms(1)) / 1000
+    prompt_len, output_len = request.prompt.shape[0], request.output.shape[0]
+    if cost is not None and output_len:
+        counts["plain_s"] = (cost.forward_ms(prompt_len) + (output_len - 1) * cost.forward_ms(1)) / 1000
     return counts
 
 

@@ -11,7 +11,19 @@ Metrics of a method over a set of prompts (a category, or all):
   tokens/s (under greedy decoding both methods emit the same tokens, so these
   are ratios of time). ``cpu_total``: the same ratio on CPU seconds.
 - ``draft_overhead``: time in the drafter over time in generate() (freespec's stats).
-- ``fed_per_step``: tokens fed per forward after the prefill (root + draft nodes).
+- ``fed_per_step``: tokens fed per row and forward after the prefill (root + draft nodes;
+  in a batch, the widest row's, as every row is padded to it).
+
+A record is one prompt, or one batch of prompts (``--batch-size``): then
+tokens/s is the whole batch's and tau counts per row (``runner``'s docstring).
+
+Identity (greedy runs): per method, the share of prompts (rows, in batches)
+whose output is token-identical to the reference's, and where the others
+first differ (new-token index: median, min). In float32/float64 every method
+must be identical; in bfloat16/float16 a forward over many tokens rounds
+differently from one over a single token, so speculation (freespec's and HF
+prompt lookup's alike) may depart from plain decoding where two tokens' logits
+are within rounding of each other; the bench reports how often and how late.
 """
 
 from __future__ import annotations
@@ -50,6 +62,7 @@ def method_metrics(prompts: Sequence[dict], label: str, vanilla: str | None, hf_
     records = [p["methods"][label] for p in prompts if label in p["methods"]]
     new_tokens = sum(r["new_tokens"] for r in records)
     forwards = sum(r["forwards"] for r in records)
+    row_forwards = sum(r.get("row_forwards", r["forwards"]) for r in records)  # per row (results before batches: 1)
     wall_s = sum(r["wall_s"] for r in records)
     cpu_s = sum(r["cpu_s"] for r in records)
     steps = sum(max(0, r["forwards"] - 1) for r in records)
@@ -59,7 +72,7 @@ def method_metrics(prompts: Sequence[dict], label: str, vanilla: str | None, hf_
         "prompts": len(records),
         "new_tokens": new_tokens,
         "forwards": forwards,
-        "tau": new_tokens / forwards if forwards else 0.0,
+        "tau": new_tokens / row_forwards if row_forwards else 0.0,
         "tau_median": _median([r["tau"] for r in records]),
         "tokens_per_s": new_tokens / wall_s if wall_s > 0 else 0.0,
         "wall_s": wall_s,
@@ -107,6 +120,62 @@ def summarize(prompts: Sequence[dict], labels: Sequence[str]) -> dict[str, Any]:
     }
 
 
+REDUCED_PRECISION = ("bfloat16", "float16")
+
+
+def identity_summary(results: dict) -> dict[str, dict]:
+    """Per method: prompts (rows) compared with the reference, how many are identical, and where the rest differ.
+
+    ``{label: {"compared": 21, "identical": 17, "share": 0.81, "first_difference":
+    {"median": 38, "min": 13}}}`` (``first_difference`` None when all are identical);
+    ``{}`` for sampled runs. Works on results.json of any version (a prompt without
+    ``rows`` is one row).
+    """
+    if not results.get("greedy", True):
+        return {}
+    reference = results.get("reference")
+    positions: dict[str, list[int]] = {}
+    for mismatch in results.get("mismatches", []):
+        positions.setdefault(mismatch["method"], []).append(int(mismatch["first_difference"]))
+    out = {}
+    for label in results["summary"]["overall"]:
+        if label == reference:
+            continue
+        compared = sum(len(p.get("rows", [None])) for p in results["prompts"] if label in p["methods"])
+        found = positions.get(label, [])
+        identical = compared - len(found)
+        out[label] = {"compared": compared, "identical": identical,
+                      "share": identical / compared if compared else None,
+                      "first_difference": {"median": _median(found), "min": min(found)} if found else None}
+    return out
+
+
+def identity_rows(results: dict) -> tuple[list[str], list[list[str]]]:
+    header = ["method", "identical", "share", "first difference (median)", "first difference (min)"]
+    rows = []
+    for label, m in identity_summary(results).items():
+        first = m["first_difference"]
+        rows.append([label, f"{m['identical']}/{m['compared']}", _fmt(None if m["share"] is None else 100 * m["share"],
+                                                                     ".0f", "%"),
+                     "-" if first is None else f"{first['median']:g}", "-" if first is None else str(first["min"])])
+    return header, rows
+
+
+def identity_title(results: dict) -> str:
+    unit = "rows" if results.get("config", {}).get("batch_size", 1) > 1 else "prompts"
+    return (f"Greedy outputs identical to {results.get('reference', 'vanilla')} ({unit}; first difference: index of "
+            f"the first new token that differs)")
+
+
+def precision_note(results: dict) -> str | None:
+    dtype = results.get("config", {}).get("dtype")
+    if dtype not in REDUCED_PRECISION:
+        return None
+    return (f"{dtype}: a forward over many tokens rounds differently from one over a single token, so speculation "
+            f"(freespec's and HF prompt lookup's alike) may depart from plain decoding where two tokens' logits are "
+            f"within rounding of each other; differences are reported, not errors (--require-identical to fail on them)")
+
+
 # ------------------------------------------------------------------------------ text
 def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
@@ -152,8 +221,19 @@ def category_rows(summary: dict, what: str) -> tuple[list[str], list[list[str]]]
     return header, rows
 
 
+def batch_note(results: dict) -> str | None:
+    batch_size = results.get("config", {}).get("batch_size", 1)
+    if batch_size <= 1:
+        return None
+    return (f"batches of {batch_size} prompts: tokens/s and speedups are whole batches' (vanilla: plain generate() "
+            f"on the left-padded batch), tau counts per row, identity row by row; a batch mixes categories, so "
+            f"per-category figures cover the batches whose rows share one ('mixed' holds the rest)")
+
+
 def cost_title(cost_curve: dict) -> str:
-    return (f"Cost of a forward feeding k tokens over {cost_curve['prefix_tokens']} cached ones (median of "
+    batch_size = cost_curve.get("batch_size", 1)
+    rows = f" to each of {batch_size} rows" if batch_size > 1 else ""
+    return (f"Cost of a forward feeding k tokens{rows} over {cost_curve['prefix_tokens']} cached ones (median of "
             f"{cost_curve['repeats']}; c(k) = ms / ms at k=1; {cost_curve['dtype']}, {_threads(cost_curve)})")
 
 
@@ -197,7 +277,7 @@ def warnings_of(results: dict) -> list[str]:
     lines = []
     for label, why in results.get("unavailable", {}).items():
         lines.append(f"METHOD NOT RUN: {label}: {why}")
-    if results.get("mismatches"):
+    if results.get("mismatches") and not precision_note(results):
         by_method: dict[str, int] = {}
         for m in results["mismatches"]:
             by_method[m["method"]] = by_method.get(m["method"], 0) + 1
@@ -216,10 +296,12 @@ def console_report(results: dict) -> str:
              text_table(*category_rows(summary, "speedup" if summary["vanilla"] else "tau")), ""]
     if summary["vanilla"]:
         parts += ["tau by category", text_table(*category_rows(summary, "tau")), ""]
+    if identity_summary(results):
+        parts += [identity_title(results), text_table(*identity_rows(results)), ""]
     if results.get("cost_curve"):
         parts += [cost_title(results["cost_curve"]), text_table(*cost_rows(results["cost_curve"])), ""]
-    for note in results.get("notes", []):
-        if not note.startswith("!!!"):
+    for note in [precision_note(results), batch_note(results)] + results.get("notes", []):
+        if note and not note.startswith("!!!"):
             parts.append(f"note: {note}")
     for line in warnings_of(results):
         parts.append(f"!!! {line.removeprefix('!!! ')}")
@@ -231,7 +313,7 @@ def markdown_report(results: dict) -> str:
     parts = [
         f"Model `{results['config']['model']}` ({results['config']['dtype']}), dataset "
         f"`{results['config']['dataset']}`, {len(results['prompts'])} prompts, "
-        f"max_new_tokens={results['config']['max_new_tokens']}, "
+        f"max_new_tokens={results['config']['max_new_tokens']}, batch size {results['config'].get('batch_size', 1)}, "
         + ("greedy" if results["greedy"] else f"sampling T={results['config']['temperature']}")
         + f"; {env.get('cpu_model', '?')}, {env.get('torch_threads', '?')} threads, torch {env.get('torch')}, "
           f"transformers {env.get('transformers')}, freespec {env.get('freespec')}, {env.get('date')}.",
@@ -248,12 +330,15 @@ def markdown_report(results: dict) -> str:
         parts += ["Speedup over vanilla by category (median of per-prompt ratios):", "",
                   markdown_table(*category_rows(summary, "speedup")), ""]
     parts += ["tau by category:", "", markdown_table(*category_rows(summary, "tau")), ""]
+    if identity_summary(results):
+        parts += [identity_title(results) + ":", "", markdown_table(*identity_rows(results)), ""]
     if results.get("cost_curve"):
         parts += [cost_title(results["cost_curve"]) + ":", "", markdown_table(*cost_rows(results["cost_curve"])), ""]
     warnings = warnings_of(results)
     if warnings:
         parts += ["**Warnings:**", ""] + [f"- **{w.removeprefix('!!! ')}**" for w in warnings] + [""]
-    notes = [n for n in results.get("notes", []) if not n.startswith("!!!")]
+    notes = [n for n in [precision_note(results), batch_note(results)] + results.get("notes", [])
+             if n and not n.startswith("!!!")]
     if notes:
         parts += [f"- {n}" for n in notes] + [""]
     parts += [f"Command: `{env.get('command', '')}`", ""]

@@ -14,6 +14,18 @@ forward count is cross-checked against the hook's.
 Multi-turn items: turn ``k`` is asked with the reference method's answers to
 the earlier turns (``vanilla`` if it runs, else the first method), so every
 method sees the same history; under greedy decoding all answers are equal anyway.
+
+Batches (``batch_size`` B > 1): items are taken B at a time and each turn of
+theirs is one left-padded batch (the rows whose item has that turn); every
+method runs on the same batch (plain ``generate()`` for ``vanilla``, batched
+speculation for ``freespec`` and ``arctic-suffix``). HF prompt lookup has no
+batch mode and is not run. A record is then one batch: its tokens/s is the
+whole batch's, and each row's output is compared with the reference's row.
+A row's output ends at its first EOS (the pads after it are not output).
+tau counts per row: new tokens over the (forward, row) pairs in which the row
+was generating: the hook's rows per forward, except for plain batched
+decoding, which feeds finished rows pads until the batch ends, so there a
+row counts once per token it generated (tau 1.0, as unbatched).
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ WARMUP_MESSAGE = "Count from one to twenty in words, separated by commas."
 
 
 class ForwardCounter:
-    """Counts calls of ``model.forward`` and tokens fed after the first (prefill) call."""
+    """Counts calls of ``model.forward``, the rows each fed, and tokens per row fed after the first (prefill) call."""
 
     def __init__(self, model):
         self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
@@ -37,7 +49,8 @@ class ForwardCounter:
 
     def reset(self) -> None:
         self.forwards = 0
-        self.tokens_fed = 0  # tokens fed by forwards after the prefill
+        self.row_forwards = 0  # rows fed, summed over forwards
+        self.tokens_fed = 0  # tokens per row (the forward's width) fed by forwards after the prefill
 
     def _hook(self, module, args, kwargs):
         ids = kwargs.get("input_ids")
@@ -45,10 +58,11 @@ class ForwardCounter:
             ids = args[0]
         if ids is None:
             ids = kwargs.get("inputs_embeds")
-            num_tokens = 0 if ids is None else int(ids.shape[1])
+            num_rows, num_tokens = (1, 0) if ids is None else (int(ids.shape[0]), int(ids.shape[1]))
         else:
-            num_tokens = int(ids.shape[-1])
+            num_rows, num_tokens = (int(ids.shape[0]) if ids.dim() > 1 else 1), int(ids.shape[-1])
         self.forwards += 1
+        self.row_forwards += num_rows
         if self.forwards > 1:
             self.tokens_fed += num_tokens
 
@@ -84,7 +98,7 @@ class MethodRunner:
         return MethodRunner(self.method, make_drafter(self.method))
 
     def generate(self, model, input_ids, gen_kwargs: dict) -> tuple[Any, Any]:
-        """(output ids [1, L], SpecStats or None)."""
+        """(output ids [B, L], SpecStats or None)."""
         import freespec
 
         if self.method.kind == "vanilla":
@@ -111,13 +125,15 @@ class BenchRun:
     greedy: bool = True
     reference: str = ""
     traces: list[dict] = field(default_factory=list)
+    batch_size: int = 1
 
 
 def _stats_record(stats) -> dict | None:
     if stats is None:
         return None
     return {
-        "new_tokens": stats.new_tokens, "forward_passes": stats.forward_passes, "tau": stats.tau,
+        "new_tokens": stats.new_tokens, "forward_passes": stats.forward_passes, "row_forwards": stats.row_forwards,
+        "tau": stats.tau,
         "draft_s": stats.draft_s, "verify_s": stats.verify_s, "total_s": stats.total_s,
         "tokens_fed": stats.tokens_fed, "steps_with_draft": stats.steps_with_draft,
         "draft_tokens": stats.draft_tokens, "accepted_draft_tokens": stats.accepted_draft_tokens,
@@ -150,11 +166,16 @@ def conversation(item: Item, turn: int, answers: Sequence[str]) -> list[dict]:
     return messages
 
 
-def run_method(runner: MethodRunner, model, counter: ForwardCounter, input_ids, gen_kwargs: dict):
-    """One method on one prompt: ``(output_ids, record, SpecStats or None)``.
+def run_method(runner: MethodRunner, model, counter: ForwardCounter, input_ids, gen_kwargs: dict,
+               eos_ids: Sequence[int] = ()):
+    """One method on one batch of prompts (B >= 1): ``(output ids per row, record, SpecStats or None)``.
 
-    The record holds new tokens, the hook's forward count and tau, wall and CPU
-    seconds, tokens/s, tokens fed after the prefill and freespec's own stats.
+    The record holds new tokens (all rows), the hook's forward count, row-forwards
+    and tau (per row), wall and CPU seconds, tokens/s (the whole batch), tokens per
+    row fed after the prefill, each row's new tokens and freespec's own stats. A
+    row's output ends at its first token of ``eos_ids``; ``rows_past_eos`` counts
+    rows with anything but the pad token (or an EOS, which generate() pads with when
+    there is no pad token) after it: a bug of the method.
     """
     import torch
 
@@ -163,29 +184,49 @@ def run_method(runner: MethodRunner, model, counter: ForwardCounter, input_ids, 
         t0, c0 = time.perf_counter(), time.process_time()
         out, stats = runner.generate(model, input_ids, gen_kwargs)
         wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    output_ids = out[0, input_ids.shape[1]:].tolist()
-    new_tokens = len(output_ids)
+    rows = out[:, input_ids.shape[1]:].tolist()
+    outputs = [row_output(row, eos_ids) for row in rows]
+    filler = {gen_kwargs.get("pad_token_id"), *eos_ids}
+    past_eos = sum(1 for row, ids in zip(rows, outputs) if any(token not in filler for token in row[len(ids):]))
+    row_tokens = [len(ids) for ids in outputs]
+    new_tokens = sum(row_tokens)
+    # plain batched decoding feeds a finished row pads until the batch ends: count its generating forwards only
+    row_forwards = new_tokens if runner.method.kind == "vanilla" else counter.row_forwards
     record = {
-        "new_tokens": new_tokens, "forwards": counter.forwards,
-        "tau": new_tokens / counter.forwards if counter.forwards else 0.0,
+        "new_tokens": new_tokens, "forwards": counter.forwards, "row_forwards": row_forwards,
+        "tau": new_tokens / row_forwards if row_forwards else 0.0,
         "wall_s": wall_s, "cpu_s": cpu_s,
         "tokens_per_s": new_tokens / wall_s if wall_s > 0 else 0.0,
         "tokens_fed_after_prefill": counter.tokens_fed,
+        "row_new_tokens": row_tokens, "rows_past_eos": past_eos,
         "engine": _stats_record(stats),
     }
-    return output_ids, record, stats
+    return outputs, record, stats
+
+
+def row_output(ids: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
+    """A row's new tokens up to and including its first EOS: ``row_output([5, 2, 0, 0], [2]) -> [5, 2]``."""
+    for i, token in enumerate(ids):
+        if token in eos_ids:
+            return list(ids[: i + 1])
+    return list(ids)
 
 
 def engine_disagreement(label: str, prompt_index: int, stats, record: dict) -> str | None:
-    """A loud line when freespec fell back to plain decoding or its counts differ from the hook's."""
-    if stats is None:
-        return None
-    if stats.fallback_reason:
-        return f"!!! {label} fell back to plain decoding on prompt {prompt_index}: {stats.fallback_reason}"
-    if stats.forward_passes != record["forwards"] or stats.new_tokens != record["new_tokens"]:
-        return (f"!!! {label} prompt {prompt_index}: engine counted {stats.forward_passes} forwards / "
-                f"{stats.new_tokens} tokens, the hook {record['forwards']} / {record['new_tokens']}")
-    return None
+    """A loud line when a row holds tokens after its EOS, freespec fell back to plain decoding, or its counts
+    differ from the hook's (every one of these that holds, joined by "; ")."""
+    problems = []
+    if record.get("rows_past_eos"):
+        problems.append(f"!!! {label} prompt {prompt_index}: {record['rows_past_eos']} row(s) hold tokens after "
+                        f"their EOS")
+    if stats is not None and stats.fallback_reason:
+        problems.append(f"!!! {label} fell back to plain decoding on prompt {prompt_index}: {stats.fallback_reason}")
+    elif stats is not None and (stats.forward_passes, stats.row_forwards, stats.new_tokens) != (
+            record["forwards"], record["row_forwards"], record["new_tokens"]):
+        problems.append(f"!!! {label} prompt {prompt_index}: engine counted {stats.forward_passes} forwards / "
+                        f"{stats.row_forwards} row-forwards / {stats.new_tokens} tokens, the hook "
+                        f"{record['forwards']} / {record['row_forwards']} / {record['new_tokens']}")
+    return "; ".join(problems) or None
 
 
 def compare_outputs(outputs: dict[str, list[int]], reference: str) -> list[dict]:
@@ -203,10 +244,12 @@ def compare_outputs(outputs: dict[str, list[int]], reference: str) -> list[dict]
 # ------------------------------------------------------------------------------ the run
 def run_bench(model, tokenizer, items: Sequence[Item], methods: Sequence[MethodSpec], *,
               max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0, warmup: bool = True,
-              save_traces: bool = False, progress: bool = True,
+              save_traces: bool = False, progress: bool = True, batch_size: int = 1,
               log: Callable[[str], None] = print) -> BenchRun:
-    """Run every method on every prompt of ``items``; see the module docstring."""
-    run = BenchRun(greedy=temperature <= 0)
+    """Run every method on every prompt of ``items``, ``batch_size`` prompts at a time; see the module docstring."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    run = BenchRun(greedy=temperature <= 0, batch_size=batch_size)
     runners = _build_runners(methods, run, log)
     if any(r.method.use_prediction for r in runners) and not any(item.predictions for item in items):
         run.notes.append("a method asks for prediction=true but no item carries a prediction: it ran without one")
@@ -215,12 +258,17 @@ def run_bench(model, tokenizer, items: Sequence[Item], methods: Sequence[MethodS
     try:
         if warmup:
             loop.warm_up()
-        loop.total_prompts, loop.progress = sum(len(item.turns) for item in items), progress
+        groups = [items[i: i + batch_size] for i in range(0, len(items), batch_size)]
+        loop.total_prompts = sum(max(len(item.turns) for item in group) for group in groups)
+        loop.progress = progress
         loop.bar = _progress_bar(loop.total_prompts, progress)
-        for item in items:
-            answers: list[str] = []
-            for turn in range(len(item.turns)):
-                answers.append(loop.run_prompt(item, turn, answers))
+        for group in groups:
+            answers: dict[int, list[str]] = {k: [] for k in range(len(group))}
+            for turn in range(max(len(item.turns) for item in group)):
+                rows = [k for k, item in enumerate(group) if turn < len(item.turns)]
+                replies = loop.run_batch([(group[k], turn, answers[k]) for k in rows])
+                for k, reply in zip(rows, replies):
+                    answers[k].append(reply)
         if loop.bar is not None:
             loop.bar.close()
     finally:
@@ -232,6 +280,11 @@ def _build_runners(methods: Sequence[MethodSpec], run: BenchRun, log) -> list[Me
     """Runners of the methods that can run (the others go to ``run.unavailable``); sets the reference."""
     runners = []
     for method in methods:
+        if method.kind == "hf-pld" and run.batch_size > 1:
+            run.unavailable[method.label] = (f"HF prompt lookup has no batch mode (transformers runs it on one "
+                                             f"sequence only): not run at batch size {run.batch_size}")
+            log(f"!!! method {method.label} NOT RUN: {run.unavailable[method.label]}")
+            continue
         runner = MethodRunner.build(method)
         if runner.available:
             runners.append(runner)
@@ -264,13 +317,14 @@ def _generation_kwargs(tokenizer, max_new_tokens: int, temperature: float, seed:
 
 
 class _Loop:
-    """The state ``run_bench`` carries from prompt to prompt: the hook, the prompt index, the progress bar."""
+    """The state ``run_bench`` carries from batch to batch: the hook, the record index, the progress bar."""
 
     def __init__(self, model, tokenizer, runners, run: BenchRun, gen_kwargs: dict, seed: int, save_traces: bool,
                  log):
         self.model, self.tokenizer, self.runners, self.run = model, tokenizer, runners, run
         self.gen_kwargs, self.seed, self.save_traces, self.log = gen_kwargs, seed, save_traces, log
         self.counter = ForwardCounter(model)
+        self.eos_ids = _eos_ids(model, gen_kwargs)
         self.prompt_index = 0
         self.total_prompts = 0
         self.progress = False
@@ -279,77 +333,119 @@ class _Loop:
     def warm_up(self) -> None:
         import torch
 
-        warm_ids = torch.tensor([format_prompt(self.tokenizer, [{"role": "user", "content": WARMUP_MESSAGE}])],
-                                device=self.model.device)
-        warm_kwargs = dict(self.gen_kwargs, max_new_tokens=min(16, self.gen_kwargs["max_new_tokens"]))
+        warm_ids = format_prompt(self.tokenizer, [{"role": "user", "content": WARMUP_MESSAGE}])
+        rows = [warm_ids[: len(warm_ids) - k] for k in range(self.run.batch_size)]  # ragged: exercise the padding
+        input_ids, attention_mask = left_pad(rows, self.gen_kwargs.get("pad_token_id", 0), self.model.device)
+        warm_kwargs = dict(self.gen_kwargs, max_new_tokens=min(16, self.gen_kwargs["max_new_tokens"]),
+                           attention_mask=attention_mask)
         for runner in self.runners:
             with torch.inference_mode():
-                runner.warmup_copy().generate(self.model, warm_ids, warm_kwargs)
+                runner.warmup_copy().generate(self.model, input_ids, warm_kwargs)
 
-    def run_prompt(self, item: Item, turn: int, answers: Sequence[str]) -> str:
-        """Every method on turn ``turn`` of ``item``, in ABAB / BABA order; returns the reference's answer."""
+    def run_batch(self, entries: Sequence[tuple[Item, int, Sequence[str]]]) -> list[str]:
+        """Every method on one batch of prompts (item, turn, earlier answers), in ABAB / BABA order across
+        batches; returns the reference's answer per row."""
         import torch
 
         run, index = self.run, self.prompt_index
-        prompt_ids = format_prompt(self.tokenizer, conversation(item, turn, answers))
-        input_ids = torch.tensor([prompt_ids], device=self.model.device)
-        call_kwargs = dict(self.gen_kwargs, attention_mask=torch.ones_like(input_ids))
+        prompts = [format_prompt(self.tokenizer, conversation(item, turn, answers)) for item, turn, answers in entries]
+        input_ids, attention_mask = left_pad(prompts, self.gen_kwargs.get("pad_token_id", 0), self.model.device)
+        call_kwargs = dict(self.gen_kwargs, attention_mask=attention_mask)
+        predictions = [item.prediction_of(turn) for item, turn, _ in entries]
         order = self.runners if index % 2 == 0 else self.runners[::-1]
         results: dict[str, dict] = {}
-        outputs: dict[str, list[int]] = {}
+        outputs: dict[str, list[list[int]]] = {}
         for runner in order:
             label = runner.method.label
             if not run.greedy:
                 torch.manual_seed(self.seed * 1_000_003 + index)
             outputs[label], results[label], stats = run_method(
                 runner, self.model, self.counter, input_ids,
-                _with_prediction(runner, call_kwargs, item.prediction_of(turn), self.tokenizer))
+                _with_prediction(runner, call_kwargs, predictions, self.tokenizer), self.eos_ids)
             disagreement = engine_disagreement(label, index, stats, results[label])
             if disagreement:
                 run.notes.append(disagreement)
                 _write(self.bar, self.log, disagreement)
         if run.greedy:
-            self._record_mismatches(outputs, results, item, turn)
-        ref_ids = outputs[run.reference]
-        answer = self.tokenizer.decode(ref_ids, skip_special_tokens=True).strip()
-        category = item.category_of(turn)
+            self._record_mismatches(outputs, results, entries)
+        ref_rows = outputs[run.reference]
+        answers = [self.tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in ref_rows]
+        rows = [{"item_id": item.item_id, "turn": turn + 1, "category": item.category_of(turn),
+                 "prompt_tokens": len(prompt)} for (item, turn, _), prompt in zip(entries, prompts)]
+        categories = {row["category"] for row in rows}
         run.prompts.append({
-            "index": index, "item_id": item.item_id, "turn": turn + 1, "category": category,
-            "prompt_tokens": len(prompt_ids), "order": [r.method.label for r in order], "reference_output": answer,
+            "index": index, "item_id": ",".join(row["item_id"] for row in rows), "turn": rows[0]["turn"],
+            "category": categories.pop() if len(categories) == 1 else "mixed",
+            "prompt_tokens": sum(row["prompt_tokens"] for row in rows), "rows": rows,
+            "order": [r.method.label for r in order], "reference_output": answers[0] if len(answers) == 1 else answers,
             "methods": {r.method.label: results[r.method.label] for r in self.runners},
         })
         if self.save_traces:
-            run.traces.append({"item_id": item.item_id, "turn": turn + 1, "category": category,
-                               "prompt_ids": prompt_ids, "output_ids": ref_ids,
-                               "max_new_tokens": self.gen_kwargs["max_new_tokens"], "method": run.reference})
+            for row, prompt, output in zip(rows, prompts, ref_rows):
+                run.traces.append({"item_id": row["item_id"], "turn": row["turn"], "category": row["category"],
+                                   "prompt_ids": prompt, "output_ids": output,
+                                   "max_new_tokens": self.gen_kwargs["max_new_tokens"], "method": run.reference})
         self.prompt_index += 1
         self._progress(results)
-        return answer
+        return answers
 
-    def _record_mismatches(self, outputs: dict, results: dict, item: Item, turn: int) -> None:
-        mismatches = {m["method"]: m for m in compare_outputs(outputs, self.run.reference)}
+    def _record_mismatches(self, outputs: dict, results: dict, entries) -> None:
+        """Compare each row with the reference's row; record every difference (its position in new tokens)."""
         for label in outputs:
-            results[label]["matches_reference"] = label not in mismatches
-        for label, mismatch in mismatches.items():
-            self.run.mismatches.append({"prompt_index": self.prompt_index, "item_id": item.item_id, "turn": turn,
-                                        **mismatch})
-            _write(self.bar, self.log, f"!!! OUTPUT MISMATCH: {label} differs from {self.run.reference} on prompt "
-                                       f"{self.prompt_index} ({item.item_id}, turn {turn + 1}) at new token "
-                                       f"{mismatch['first_difference']}")
+            results[label]["rows_matching"] = 0
+        for r, (item, turn, _) in enumerate(entries):
+            mismatches = {m["method"]: m for m in compare_outputs({k: v[r] for k, v in outputs.items()},
+                                                                  self.run.reference)}
+            for label in outputs:
+                results[label]["rows_matching"] += label not in mismatches
+            for label, mismatch in mismatches.items():
+                self.run.mismatches.append({"prompt_index": self.prompt_index, "row": r, "item_id": item.item_id,
+                                            "turn": turn, **mismatch})
+                where = f" row {r}" if len(entries) > 1 else ""
+                _write(self.bar, self.log, f"!!! OUTPUT MISMATCH: {label} differs from {self.run.reference} on "
+                                           f"prompt {self.prompt_index}{where} ({item.item_id}, turn {turn + 1}) at "
+                                           f"new token {mismatch['first_difference']}")
+        for label in outputs:
+            results[label]["matches_reference"] = results[label]["rows_matching"] == len(entries)
 
     def _progress(self, results: dict) -> None:
         if self.bar is not None:
             self.bar.set_postfix_str(_postfix(results, self.run.reference), refresh=False)
             self.bar.update(1)
-        elif self.progress:  # no tqdm: one line per prompt
+        elif self.progress:  # no tqdm: one line per batch
             self.log(f"[{self.prompt_index}/{self.total_prompts}] {_postfix(results, self.run.reference)}")
 
 
-def _with_prediction(runner: MethodRunner, call_kwargs: dict, prediction: str | None, tokenizer) -> dict:
-    """The call's generate() kwargs, with the item's prediction for a method with ``{prediction=true}``."""
-    if not runner.method.use_prediction or prediction is None:
+def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int, device=None):
+    """(input_ids [B, L], attention_mask [B, L]) of token-id rows padded on the left to the longest, on ``device``.
+
+    ``left_pad([[5, 6], [7]], 0)`` -> ``[[5, 6], [0, 7]]``, mask ``[[1, 1], [0, 1]]``.
+    """
+    import torch
+
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), int(pad_token_id), dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for b, row in enumerate(rows):
+        input_ids[b, width - len(row):] = torch.tensor(list(row), dtype=torch.long)
+        attention_mask[b, width - len(row):] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def _eos_ids(model, gen_kwargs: dict) -> tuple[int, ...]:
+    """The ids that end a row: the call's ``eos_token_id``, else the model's generation config's."""
+    eos = gen_kwargs.get("eos_token_id", getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def _with_prediction(runner: MethodRunner, call_kwargs: dict, predictions: Sequence[str | None], tokenizer) -> dict:
+    """The call's generate() kwargs, with each row's item's prediction (None: that row has none) for a method
+    with ``{prediction=true}``."""
+    if not runner.method.use_prediction or all(p is None for p in predictions):
         return call_kwargs
-    return dict(call_kwargs, prediction=prediction, tokenizer=tokenizer)
+    return dict(call_kwargs, prediction=list(predictions), tokenizer=tokenizer)
 
 
 def _progress_bar(total: int, enabled: bool):

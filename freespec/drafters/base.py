@@ -58,12 +58,34 @@ fed token comes back through ``observe``; the draft chains those successors
 ``Drafter`` gives the bookkeeping every lookup drafter needs: the context of
 each live request as a growing int32 array, and lifecycle checks
 (``propose`` before ``start`` raises ``ValueError``).
+
+**Threads.** A host may call one drafter from several threads (two threads
+calling ``generate()`` on one patched model share its drafter). Every hook
+(``start``, ``propose``, ``extend``, ``observe``, ``stop``, ``add_documents``,
+``add_prediction``, ``on_verified_cache``, ``on_forward``, ``attach_model``, ``warmup``), in ``Drafter`` and in any
+subclass that overrides it, runs holding the instance's reentrant lock
+(``__init_subclass__`` wraps the overrides; a hook added to ``Drafter`` takes
+``@_locked``), so a subclass's state needs no
+locking of its own; calls of different requests interleave only between
+hooks. Without it, threads that share a request history crash (a match state
+read against an automaton another thread just rebuilt; ``tests/test_concurrency.py``).
+Measured cost, uncontended (CPython 3.11, a busy 2-core Xeon): ``propose`` of a
+drafter whose ``_propose`` returns at once takes 1.0 us with the lock, 0.2 us
+without, so ~0.8 us per hook call, ~2.5 us per decode step of three hooks.
+State shared by several drafter instances (a ``RequestHistory``, a
+``DocumentIndex``) carries a lock of its own.
+
+**Memory.** What a request costs lives until ``stop``, which frees it even
+when a subclass's ``_on_stop`` raises; state shared across requests is bounded
+(each class says by what).
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 from dataclasses import dataclass
-from typing import Hashable, Iterable
+from typing import Any, Hashable, Iterable, Mapping
 
 import numpy as np
 
@@ -111,6 +133,13 @@ class ForwardReport:
         return max(self.tokens_per_row, default=0)
 
 
+MAX_TOKEN_ROWS = 1 << 18
+"""Per-token arrays that grow lazily with the largest token id seen (recycling's successor rows, lookahead's
+pool index) stop at this many rows: every vocabulary freespec loads fits (Gemma 3's 262,144 ids), and an id
+outside any vocabulary (valid input: ids go up to 2**31 - 1) cannot make state shared across requests
+allocate gigabytes. Tokens at or above it get no per-token row."""
+
+
 def as_token_array(ids, name: str) -> np.ndarray:
     """Check a 1-D sequence of non-negative token ids, return it as int32."""
     arr = np.asarray(ids)
@@ -139,6 +168,40 @@ def exercise(drafter: "Drafter") -> None:
     drafter.stop("warmup")
 
 
+class Lockable:
+    """Has ``lock``, a reentrant lock that pickling and ``copy.deepcopy`` leave out (a copy gets its own).
+
+    ``Drafter``, and the indexes several drafters may share (``RequestHistory``,
+    ``DocumentIndex``), are ``Lockable``.
+    """
+
+    def __init__(self):
+        self.lock = threading.RLock()
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("lock", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.lock = threading.RLock()
+
+
+def _locked(method):
+    """``method`` run holding its drafter's ``lock`` (one per instance, reentrant)."""
+    if getattr(method, "_holds_drafter_lock", False):
+        return method
+
+    @functools.wraps(method)
+    def holding_lock(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    holding_lock._holds_drafter_lock = True
+    return holding_lock
+
+
 class _Context:
     """A request's tokens so far, amortized O(1) append."""
 
@@ -162,7 +225,7 @@ class _Context:
         return self.buf[: self.size]
 
 
-class Drafter:
+class Drafter(Lockable):
     """Base class: request bookkeeping and every hook's default; subclasses implement ``_propose``.
 
     Class attributes a subclass may set:
@@ -172,6 +235,14 @@ class Drafter:
     ``accepts_documents``: True when ``add_documents`` works (``generate(documents=...)``).
     ``accepts_prediction``: True when ``add_prediction`` works (``generate(prediction=...)``).
     ``needs_model``: True when the drafter drafts with the model (``attach_model``).
+    ``isolation_options``: constructor options under which no token one request
+        has seen can appear in another request's drafts (empty when that is the
+        default). A drafter that shares text across requests (a request history,
+        a shared table) must name the option that turns it off here;
+        ``tests/test_soak.py`` checks it for every registered drafter.
+
+    The hooks run holding the instance's ``lock`` (see the module docstring):
+    overriding one in a subclass keeps it locked.
     """
 
     name = "drafter"
@@ -179,34 +250,51 @@ class Drafter:
     accepts_documents = False
     accepts_prediction = False
     needs_model = False
+    isolation_options: Mapping[str, Any] = {}
 
     def __init__(self):
+        super().__init__()
         self._contexts: dict[Hashable, _Context] = {}
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name, method in list(vars(cls).items()):
+            if callable(method) and getattr(getattr(Drafter, name, None), "_holds_drafter_lock", False):
+                setattr(cls, name, _locked(method))
+
     # ---- lifecycle
+    @_locked
     def start(self, request_id: Hashable, prompt_ids) -> None:
         if request_id in self._contexts:
             raise ValueError(f"request {request_id!r} was already started (call stop() first)")
         self._contexts[request_id] = _Context(as_token_array(prompt_ids, "prompt_ids"))
         self._on_start(request_id)
 
+    @_locked
     def extend(self, request_id: Hashable, accepted_ids) -> None:
         ids = as_token_array(accepted_ids, "accepted_ids")
         self._context(request_id).append(ids)
         self._on_extend(request_id, ids)
 
+    @_locked
     def propose(self, request_id: Hashable, budget: Budget) -> Draft:
-        self._context(request_id)
-        if budget.num_nodes == 0 or budget.max_depth == 0:
+        """A draft under the context's last token (``_propose``); empty for a zero budget, and before the
+        first token (an empty prompt, nothing committed yet: there is no root to draft under)."""
+        if budget.num_nodes == 0 or budget.max_depth == 0 or self._context(request_id).size == 0:
             return Draft.empty()
         return self._propose(request_id, budget)
 
+    @_locked
     def stop(self, request_id: Hashable) -> None:
+        """Forget the request (its context is freed even if ``_on_stop`` raises)."""
         self._context(request_id)
-        self._on_stop(request_id)
-        del self._contexts[request_id]
+        try:
+            self._on_stop(request_id)
+        finally:
+            del self._contexts[request_id]
 
     # ---- optional hooks, each with its default
+    @_locked
     def add_documents(self, request_id: Hashable, docs: Iterable, tokenizer=None) -> None:
         """Documents (token-id sequences, or texts with ``tokenizer``) this request may draft from.
 
@@ -216,6 +304,7 @@ class Drafter:
         raise ValueError(f"drafter {self.name!r} does not draft from documents; use one that does "
                          f"(mixture, corpus) to pass documents=")
 
+    @_locked
     def add_prediction(self, request_id: Hashable, prediction_ids: np.ndarray) -> None:
         """A predicted output of this request (1-D token ids): most of it is expected to appear in the output.
 
@@ -225,9 +314,11 @@ class Drafter:
         raise ValueError(f"drafter {self.name!r} does not draft from a predicted output; use one that does "
                          f"(mixture, prediction) to pass prediction=")
 
+    @_locked
     def observe(self, request_id: Hashable, verify_output: VerifyOutput) -> None:
         """Learn from the target's predictions (called when ``observe_top_k`` > 0). Default: nothing."""
 
+    @_locked
     def on_forward(self, report: ForwardReport) -> None:
         """The engine reports every target forward's size and time (``ForwardReport``).
 
@@ -235,6 +326,7 @@ class Drafter:
         calibrate c(k) from these; the default ignores them.
         """
 
+    @_locked
     def attach_model(self, handle) -> None:
         """Receive the engine's model handle (only called when ``needs_model`` is True).
 
@@ -242,6 +334,7 @@ class Drafter:
         """
         raise TypeError(f"drafter {self.name!r} declares needs_model but does not implement attach_model()")
 
+    @_locked
     def on_verified_cache(self, request_id: Hashable, cache, cache_len: int) -> None:
         """The request's verified KV cache, handed over before each ``propose`` (drafters with ``needs_model``).
 
@@ -252,6 +345,7 @@ class Drafter:
         its model handle (``DraftCache``) and never writes it. Default: ignored.
         """
 
+    @_locked
     def warmup(self) -> None:
         """Compile kernels ahead of the first request (no-op when there are none)."""
 

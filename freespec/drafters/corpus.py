@@ -41,7 +41,7 @@ from typing import Hashable, NamedTuple
 import numpy as np
 
 from ..draft import Budget, Draft
-from .base import Drafter, as_token_array, encode_text
+from .base import Drafter, Lockable, as_token_array, encode_text
 from .options import check_instance, check_int, check_match_range
 
 
@@ -91,15 +91,22 @@ class _Index(NamedTuple):
     bits: int  # low bits per letter
 
 
-class DocumentIndex:
+class DocumentIndex(Lockable):
     """Token-id documents indexed for longest-tail lookup; share one across drafters and requests.
 
     ``max_tokens`` caps the indexed tokens: adding past it drops the oldest
-    documents first. ``add`` under an existing key replaces that document (a
-    file that changed is re-added under its path).
+    documents first (a document over ``max_tokens`` raises). ``add`` under an
+    existing key replaces that document (a file that changed is re-added under
+    its path). Memory bound: ``max_tokens`` tokens at ~500 bytes each once built
+    (~700 for all-distinct ids; see the module docstring), so ~2-3 GB at the
+    default 4M tokens; pass a smaller ``max_tokens`` to bound it lower.
+
+    Threads: ``add``, ``remove`` and the lookups hold ``lock``; a lookup reads
+    one built index throughout, so another thread's ``add`` never mixes two.
     """
 
     def __init__(self, min_match: int = 2, max_match: int = 8, max_tokens: int = 1 << 22):
+        super().__init__()
         self.min_match, self.max_match = check_match_range(min_match, max_match)
         self.max_tokens = check_int("max_tokens", max_tokens, 1)
         self._docs: dict[Hashable, np.ndarray] = {}  # insertion order = eviction order
@@ -111,14 +118,15 @@ class DocumentIndex:
         doc = as_token_array(doc_ids, "doc_ids").copy()
         if doc.shape[0] > self.max_tokens:
             raise ValueError(f"document of {doc.shape[0]} tokens is over max_tokens={self.max_tokens}")
-        key = next(self._next_key) if doc_key is None else doc_key
-        if key in self._docs:
-            self.remove(key)
-        while self.num_tokens + doc.shape[0] > self.max_tokens:
-            self.remove(next(iter(self._docs)))
-        self._docs[key] = doc
-        self.num_tokens += doc.shape[0]
-        self._index = None
+        with self.lock:
+            key = next(self._next_key) if doc_key is None else doc_key
+            if key in self._docs:
+                self.remove(key)
+            while self.num_tokens + doc.shape[0] > self.max_tokens:
+                self.remove(next(iter(self._docs)))
+            self._docs[key] = doc
+            self.num_tokens += doc.shape[0]
+            self._index = None
         return key
 
     def add_text(self, text: str, tokenizer, doc_key: Hashable | None = None) -> Hashable:
@@ -131,10 +139,11 @@ class DocumentIndex:
             self.add(doc)
 
     def remove(self, doc_key: Hashable) -> None:
-        if doc_key not in self._docs:
-            raise ValueError(f"no document with key {doc_key!r} in the index")
-        self.num_tokens -= self._docs.pop(doc_key).shape[0]
-        self._index = None
+        with self.lock:
+            if doc_key not in self._docs:
+                raise ValueError(f"no document with key {doc_key!r} in the index")
+            self.num_tokens -= self._docs.pop(doc_key).shape[0]
+            self._index = None
 
     def __len__(self) -> int:
         return len(self._docs)
@@ -148,7 +157,9 @@ class DocumentIndex:
         ``starts`` are offsets into the concatenated documents, grouped by the
         tokens that follow; ``(0, [])`` when no n-gram of ``min_match`` tokens matches.
         """
-        index = self._built()
+        return self._find(self._built(), tail)
+
+    def _find(self, index: _Index, tail) -> tuple[int, np.ndarray]:
         tail = np.asarray(tail)[-self.max_match :]
         if index.trie is not None and tail.shape[0] >= self.min_match:
             letters = _letters(tail, index.bits).tolist()  # [2 * len(tail)]
@@ -165,8 +176,8 @@ class DocumentIndex:
         ``max_occurrences`` of the rest, take evenly spaced ones: they are grouped by
         what follows, so this is a stratified sample of continuations.
         """
-        match_len, starts = self.find(tail)
         index = self._built()
+        match_len, starts = self._find(index, tail)
         doc_ends = index.doc_ends[np.searchsorted(index.doc_ends, starts, side="right")]  # [m]
         followed = starts + match_len < doc_ends
         starts, doc_ends = starts[followed], doc_ends[followed]
@@ -180,18 +191,19 @@ class DocumentIndex:
     def build(self) -> "DocumentIndex":
         """Build the lookup structure now instead of at the first lookup after a change; returns self.
 
-        An index is not locked: change it from one thread at a time and never
-        while another thread looks it up. To add documents without stalling the
-        thread that drafts, fill and ``build()`` a new index on another thread,
-        then hand it over (``integrations/sglang/external.py`` does this).
+        A lookup after a change builds the index while holding ``lock``, so a
+        drafting thread would wait for it: to add documents without stalling
+        the thread that drafts, fill and ``build()`` a new index on another
+        thread, then hand it over (``integrations/sglang/external.py`` does this).
         """
         self._built()
         return self
 
     def _built(self) -> _Index:
-        if self._index is None:
-            self._index = self._build()
-        return self._index
+        with self.lock:
+            if self._index is None:
+                self._index = self._build()
+            return self._index
 
     def _build(self) -> _Index:
         docs = list(self._docs.values())
@@ -243,7 +255,9 @@ class DocumentSource:
     min_match / max_match: of the per-request indexes; default the shared
         index's, else 2 and 8; if given with a shared index they must equal its.
     max_occurrences: read the continuations of at most this many occurrences.
-    max_request_tokens: token cap of each request's own documents.
+    max_request_tokens: token cap of each request's own documents (a
+        ``DocumentIndex`` per request, freed at ``stop``: memory grows with the
+        live requests, never with the finished ones).
     """
 
     def __init__(self, shared: DocumentIndex | None = None, min_match: int | None = None,

@@ -64,7 +64,7 @@ import numpy as np
 from ..draft import Budget, Draft
 from ..kernels.ngram_pool import pool_insert_kernel
 from ..tree import follow
-from .base import Drafter, ForwardReport, VerifyOutput, exercise
+from .base import MAX_TOKEN_ROWS, Drafter, ForwardReport, VerifyOutput, exercise
 from .calibration import DraftSizer, calibrate_lookup
 from .options import check_bool, check_int, check_number
 
@@ -74,6 +74,9 @@ _MIN_KEYS = 1024
 
 class NgramPool:
     """N-grams keyed by their first token (``kernels/ngram_pool.py``), bounded by ``max_keys`` and ``guesses``.
+
+    The index from token to slot grows with the largest key, up to ``MAX_TOKEN_ROWS`` entries (1 MB):
+    n-grams keyed by a larger id (outside every vocabulary) are not pooled.
 
     ``NgramPool(3, 2, 100).seed([5, 6, 7, 5, 6, 8])`` -> ``get(5) == [[6, 8], [6, 7]]`` (most recent first).
     """
@@ -102,7 +105,7 @@ class NgramPool:
             return
         size = max(_MIN_KEYS, self.slot_of_key.shape[0])
         while size <= max_token:
-            size *= 2
+            size = min(2 * size, MAX_TOKEN_ROWS)
         grown = np.full(size, -1, np.int32)
         grown[: self.slot_of_key.shape[0]] = self.slot_of_key
         self.slot_of_key = grown
@@ -115,6 +118,11 @@ class NgramPool:
             return
         if keys.min() < 0:
             raise ValueError("n-gram keys must be token ids >= 0")
+        if keys.max() >= MAX_TOKEN_ROWS:
+            keep = keys < MAX_TOKEN_ROWS
+            keys, grams = keys[keep], grams[keep]
+            if keys.size == 0:
+                return
         self._cover(int(keys.max()))
         pool_insert_kernel(self.slot_of_key, self.key_of_slot, self.grams, self.counts, self.stamps, self.state,
                            keys, grams)
@@ -254,7 +262,8 @@ class LookaheadSource:
         self.pool_for(request_id).seed(prompt)
         self._contexts[request_id] = context
         window = self._windows[request_id] = JacobiWindow(self.width, self.ngram)
-        window.advance(self.width + 1, int(prompt[-1]), self._guesser(request_id, successor))
+        if prompt.shape[0]:  # an empty prompt: the window fills at the first committed token
+            window.advance(self.width + 1, int(prompt[-1]), self._guesser(request_id, successor))
 
     def stop(self, request_id: Hashable) -> None:
         for store in (self._pools, self._windows, self._contexts, self._fed):
@@ -330,9 +339,11 @@ class LookaheadSource:
         self._nodes_fed += fed.token_ids.shape[0]
 
     def advance(self, request_id: Hashable, num_committed: int, successor: Callable[[int], int] | None = None) -> None:
-        """After ``num_committed`` tokens: move the window, fade the value counts."""
+        """After ``num_committed`` tokens: move the window (not for none, nor before the first token), fade the
+        value counts."""
         context = self._contexts[request_id]()
-        self._windows[request_id].advance(num_committed, int(context[-1]), self._guesser(request_id, successor))
+        if num_committed and context.shape[0]:
+            self._windows[request_id].advance(num_committed, int(context[-1]), self._guesser(request_id, successor))
         fade = 0.5 ** (1.0 / self.half_life)
         self._gained *= fade
         self._nodes_fed *= fade

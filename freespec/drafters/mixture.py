@@ -101,6 +101,8 @@ class MixtureDrafter(Drafter):
     """
 
     name = "mixture"
+    isolation_options = {"history_tokens": 0, "history": None, "ngram_shared": False,  # no text crosses requests
+                         "recycle_shared": False}
     accepts_documents = True
     accepts_prediction = True
 

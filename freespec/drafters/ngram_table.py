@@ -100,6 +100,7 @@ class NgramTableDrafter(Drafter):
     """
 
     name = "ngram"
+    isolation_options = {"shared": False}  # no text crosses requests
 
     def __init__(self, min_n: int = 1, max_n: int = 4, max_entries: int = 250_000, max_next: int = 8,
                  min_prob: float = 0.05, shared: bool = True):

@@ -60,7 +60,7 @@ import numpy as np
 from ..draft import Budget, Draft
 from ..kernels.successor_table import (EXACT, MODEL, NUM_ROW_TYPES, PAIR, TEXT, grow_tree_kernel, pair_key,
                                        pair_slot, seed_text_kernel, write_rows_kernel)
-from .base import Drafter, ForwardReport, VerifyOutput, exercise
+from .base import MAX_TOKEN_ROWS, Drafter, ForwardReport, VerifyOutput, exercise
 from .calibration import AcceptanceCalibrator, DraftSizer
 from .options import check_bool, check_int, check_number
 
@@ -76,9 +76,10 @@ class SuccessorTable:
     top_k: entries of a model or pair row (the target's top-k). text_k: entries of a text
     row. vocab_size: rows of the per-token tables (None: grown lazily to cover the largest
     token seen, doubling from 1024). pair_slots: slots of the pair hash (a power of two).
-    ``nbytes`` = rows (4 top_k + 4 text_k) + pair_slots (8 + 4 top_k), rows <= max(1024,
-    2 (largest id + 1)); Qwen's 151,936 tokens at the defaults: 6.1 MB + 2.6 MB.
-    A token id >= ``vocab_size`` raises ``ValueError``.
+    ``nbytes`` = rows (4 top_k + 4 text_k) + pair_slots (8 + 4 top_k), rows <= min(max(1024,
+    2 (largest id + 1)), ``MAX_TOKEN_ROWS``); Qwen's 151,936 tokens at the defaults: 6.1 MB + 2.6 MB,
+    at most 10.5 MB + 2.6 MB. A token id >= ``vocab_size`` raises ``ValueError``; without
+    ``vocab_size``, one >= ``MAX_TOKEN_ROWS`` (outside every vocabulary) keeps its pair rows only.
     """
 
     def __init__(self, top_k: int = 8, text_k: int = 2, vocab_size: int | None = None, pair_slots: int = 1 << 16):
@@ -109,8 +110,10 @@ class SuccessorTable:
         if self.vocab_size is not None:
             raise ValueError(f"token id {max_token} is outside vocab_size={self.vocab_size}")
         rows = self.num_rows
-        while rows <= max_token:
-            rows *= 2
+        while rows <= max_token and rows < MAX_TOKEN_ROWS:
+            rows = min(2 * rows, MAX_TOKEN_ROWS)
+        if rows == self.num_rows:
+            return
         for name in ("model", "text"):
             old = getattr(self, name)
             grown = np.full((rows, old.shape[1]), -1, np.int32)
@@ -151,7 +154,7 @@ class SuccessorTable:
             found = self.pair[slot] if self.pair_keys[slot] == pair_key(prev, token) else self.pair[0, :0]
         else:
             table = self.model if kind == MODEL else self.text
-            found = table[token] if token < self.num_rows else table[0, :0]
+            found = table[token] if 0 <= token < self.num_rows else table[0, :0]
         return found[found >= 0].tolist()
 
     def top1(self, token: int) -> int:
@@ -310,6 +313,7 @@ class RecycleDrafter(Drafter):
     """
 
     name = SOURCE
+    isolation_options = {"shared": False}  # no request's tokens or top-k reach another's drafts
 
     def __init__(self, top_k: int = 8, shared: bool = True, vocab_size: int | None = None, max_depth: int = 16,
                  min_prob: float = 0.01, seed_text: bool = True, text_k: int = 2, pair_slots: int = 1 << 16,

@@ -25,28 +25,34 @@ from ..draft import Budget, Draft, merge
 from ..kernels.suffix_automaton import SuffixAutomaton
 from ..kernels.suffix_continuations import continuation_tree
 from ..kernels.suffix_match import advance_match, occurrence_ends
-from .base import Drafter, as_token_array, exercise
+from .base import Drafter, Lockable, as_token_array, exercise
 from .options import check_bool, check_instance, check_int, check_number
 
 _RESYNC_TOKENS = 1024  # after the history changes, a live request re-matches this many tail tokens
 _LOW_WATER = 0.75  # an eviction frees the history down to this fraction, so rebuilds are amortized
 
 
-class RequestHistory:
+class RequestHistory(Lockable):
     """Finished requests' tokens, indexed by one suffix automaton, at most ``max_tokens``.
 
     FIFO eviction by token count (separators count as one token per document):
     when a new document does not fit, the oldest documents are dropped until
     the history holds at most 3/4 of ``max_tokens``, and the automaton is rebuilt
     from what is left; so rebuilds re-index at most ~3 tokens per added token, amortized.
-    Memory: ~92 bytes per indexed token used, 110-160 allocated (``nbytes``;
-    measured on Python source split into words and symbols, 8k to 1M tokens).
+    A document longer than ``max_tokens - 1`` keeps its last ``max_tokens - 1`` tokens.
+    Memory bound: ``max_tokens`` indexed tokens, ~92 bytes each used, 110-160
+    allocated (``nbytes``; measured on Python source split into words and symbols,
+    8k to 1M tokens), whatever the number of requests.
     ``include_prompts``: index requests' prompts as well as their outputs.
+
+    Several drafters (and threads) may share one: ``add`` and every reader
+    (``SuffixSource``) hold ``lock``.
     """
 
     def __init__(self, max_tokens: int, include_prompts: bool = False):
         self.max_tokens = check_int("max_tokens", max_tokens, 2)
         self.include_prompts = check_bool("include_prompts", include_prompts)
+        super().__init__()
         self.automaton = SuffixAutomaton()
         self.version = 0  # bumped on every change: live matches must re-sync
         self._doc_lengths: deque[int] = deque()  # oldest first; the text itself is the automaton's
@@ -57,6 +63,10 @@ class RequestHistory:
         doc = as_token_array(ids, "ids")[-(self.max_tokens - 1):]
         if doc.size == 0:
             return
+        with self.lock:
+            self._add(doc)
+
+    def _add(self, doc: np.ndarray) -> None:
         need = doc.size + 1
         if self._num_tokens + need > self.max_tokens:
             text, start = self.automaton.tokens(), 0
@@ -135,9 +145,12 @@ class SuffixSource:
     def extend(self, request_id: Hashable, ids: np.ndarray) -> None:
         request = self._requests[request_id]
         request.own.extend(ids)
-        match = request.history_match
-        if self.history is not None and match.version == self.history.version:
-            match.state, match.match_len = advance_match(self.history.automaton, match.state, match.match_len, ids)
+        if self.history is not None:
+            match = request.history_match
+            with self.history.lock:
+                if match.version == self.history.version:
+                    match.state, match.match_len = advance_match(self.history.automaton, match.state,
+                                                                 match.match_len, ids)
 
     def stop(self, request_id: Hashable) -> None:
         """Forget the request; with a history, index its text there."""
@@ -156,23 +169,28 @@ class SuffixSource:
         request = self._requests[request_id]
         depth = min(self.max_depth, budget.max_depth)
         state, match_len = request.own.repeated_suffix()
-        out = [("suffix", match_len, request.own, state)]
+        drafts = [self._tree("suffix", match_len, request.own, state, depth, budget.num_nodes)]
         if self.history is not None:
             match = request.history_match
-            if match.version != self.history.version:  # re-match the tail once per history change
-                match.state, match.match_len = advance_match(
-                    self.history.automaton, 0, 0, request.own.tokens()[-_RESYNC_TOKENS:])
-                match.version = self.history.version
-            out.append(("history", match.match_len, self.history.automaton, match.state))
-        drafts = []
-        for source, match_len, automaton, state in out:
-            if match_len >= self.min_match:
-                ends = occurrence_ends(automaton, state, self.max_occurrences)
-                token_ids, parents, confidence = continuation_tree(
-                    automaton.tokens(), ends, depth, budget.num_nodes, self.min_prob)
-                if token_ids.size:
-                    drafts.append((source, match_len, Draft(token_ids, parents, confidence, (source,) * token_ids.size)))
-        return drafts
+            with self.history.lock:
+                if match.version != self.history.version:  # re-match the tail once per history change
+                    match.state, match.match_len = advance_match(
+                        self.history.automaton, 0, 0, request.own.tokens()[-_RESYNC_TOKENS:])
+                    match.version = self.history.version
+                drafts.append(self._tree("history", match.match_len, self.history.automaton, match.state, depth,
+                                         budget.num_nodes))
+        return [draft for draft in drafts if draft is not None]
+
+    def _tree(self, source: str, match_len: int, automaton: SuffixAutomaton, state: int, depth: int,
+              num_nodes: int) -> tuple[str, int, Draft] | None:
+        """``(source, match_len, draft)`` of what followed the match's occurrences, or None."""
+        if match_len < self.min_match:
+            return None
+        ends = occurrence_ends(automaton, state, self.max_occurrences)
+        token_ids, parents, confidence = continuation_tree(automaton.tokens(), ends, depth, num_nodes, self.min_prob)
+        if not token_ids.size:
+            return None
+        return source, match_len, Draft(token_ids, parents, confidence, (source,) * token_ids.size)
 
 
 class SuffixDrafter(Drafter):
@@ -188,6 +206,7 @@ class SuffixDrafter(Drafter):
     """
 
     name = "suffix"
+    isolation_options = {"history_tokens": 0, "history": None}  # no text crosses requests
 
     def __init__(self, min_match: int = 2, max_depth: int = 64, min_prob: float = 0.1,
                  max_occurrences: int = 64, history_tokens: int = 0, history_prompts: bool = False,

@@ -53,7 +53,8 @@ def pair_key(prev, token):
 
 @numba.njit(cache=True)
 def write_rows_kernel(model, pair_keys, pair, tokens, prevs, topk, order):
-    # model [capacity, k] int32, pair_keys [P] int64, pair [P, k] int32, tokens [m] int64,
+    # model [capacity, k] int32 (a token >= capacity has no model row), pair_keys [P] int64, pair [P, k] int32,
+    # tokens [m] int64,
     # prevs [m] int64 (the token before each, -1 = none), topk [m, kk] int64,
     # order [w] int64: rows of tokens/topk to write, in this order (a later write wins)
     k = model.shape[1]
@@ -61,8 +62,9 @@ def write_rows_kernel(model, pair_keys, pair, tokens, prevs, topk, order):
     for idx in range(order.shape[0]):
         i = order[idx]
         token = tokens[i]
-        for r in range(k):
-            model[token, r] = topk[i, r] if r < width else -1
+        if token < model.shape[0]:  # a token past the table's rows keeps its pair row only
+            for r in range(k):
+                model[token, r] = topk[i, r] if r < width else -1
         if prevs[i] >= 0:
             slot = pair_slot(prevs[i], token, pair_keys.shape[0])
             pair_keys[slot] = pair_key(prevs[i], token)
@@ -72,11 +74,13 @@ def write_rows_kernel(model, pair_keys, pair, tokens, prevs, topk, order):
 
 @numba.njit(cache=True)
 def seed_text_kernel(text_rows, text, begin):
-    # text_rows [capacity, kt] int32, text [T] int32:
+    # text_rows [capacity, kt] int32, text [T] int32 (a token >= capacity has no text row):
     # every bigram text[j - 1] -> text[j] with j >= begin moves its follower to the front of its row
     kt = text_rows.shape[1]
     for j in range(max(begin, 1), text.shape[0]):
         token, follower = text[j - 1], text[j]
+        if token >= text_rows.shape[0]:  # past the table's rows: no text row
+            continue
         pos = kt - 1  # where the follower was (or the last slot, dropped)
         for r in range(kt):
             if text_rows[token, r] == follower:
