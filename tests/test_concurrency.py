@@ -103,6 +103,8 @@ def _run_requests(drafter, requests: list[tuple], config, drafts: dict, interlea
             drafter.start(request_id, prompt)
             if drafter.accepts_documents:  # a document that holds the answer
                 drafter.add_documents(request_id, [np.concatenate([prompt[-8:], output])])
+            if drafter.accepts_prediction:  # a prediction that holds the answer but for its first tokens
+                drafter.add_prediction(request_id, output[4:])
             live.append(ReplayedRequest(drafter, request_id, prompt, output, len(output) + 1, config,
                                         observe_truth=True))
         for request in live:

@@ -280,7 +280,8 @@ class Drafter(Lockable):
     def propose(self, request_id: Hashable, budget: Budget) -> Draft:
         """A draft under the context's last token (``_propose``); empty for a zero budget, and before the
         first token (an empty prompt, nothing committed yet: there is no root to draft under)."""
-        if budget.num_nodes == 0 or budget.max_depth == 0 or self._context(request_id).size == 0:
+        context = self._context(request_id)  # an unknown request raises, whatever the budget
+        if budget.num_nodes == 0 or budget.max_depth == 0 or context.size == 0:
             return Draft.empty()
         return self._propose(request_id, budget)
 

@@ -246,6 +246,8 @@ class RecycleSource:
         a drafted sibling other than the accepted one: its row is then exact for the next step's
         root (``EXACT``). ``context``: the committed tokens, the root last.
         """
+        if context.shape[0] == 0:
+            return  # nothing committed yet: no root, so no forward fed one
         draft = verify_output.draft
         topk = np.asarray(verify_output.topk_token_ids)  # [num_nodes + 1, kk]
         if topk.ndim != 2 or topk.shape[0] != draft.num_nodes + 1:
