@@ -232,7 +232,7 @@ def test_option_validation():
                     {"history_tokens": 1}, {"history_tokens": -3}, {"history": object()},
                     {"history": RequestHistory(100), "history_tokens": 100}, {"documents": [1, 2]},
                     {"ngram": "yes"}, {"ngram_below": 0}, {"prior_cost_slope": -1}, {"recycle": 1},
-                    {"recycle_below": -1}, {"recycle_top_k": 0}, {"recycle_shared": "no"}, {"lookahead": "yes"},
+                    {"recycle_below": -1}, {"recycle_max_cost": 0.5}, {"recycle_top_k": 0}, {"recycle_shared": "no"}, {"lookahead": "yes"},
                     {"lookahead_window": 0}, {"lookahead_ngram": 1}, {"lookahead_guesses": 0}):
         with pytest.raises(ValueError):
             MixtureDrafter(**options)
@@ -274,6 +274,22 @@ def test_recycle_below_keeps_long_matches_alone():
         drafter.start("r", np.concatenate([TEXT, TEXT[49:50], [7], TEXT[:50]]))
         assert set(drafter.propose("r", Budget(64, 12)).sources) == expect
         drafter.stop("r")
+
+
+def test_recycle_drafts_only_where_the_measured_cost_curve_is_flat():
+    prompt = np.concatenate([TEXT, TEXT[49:50], [7], TEXT[:50]])
+    one_token_s = 0.1
+    for c4, expect in ((1.73, {"suffix"}), (1.10, {"suffix", "recycle"})):  # float32 / bfloat16 on AMX, README
+        drafter = MixtureDrafter(adaptive=False)
+        assert drafter.recycle_pays()  # before any measurement the prior curve is flat
+        for _ in range(4):
+            drafter.on_forward(ForwardReport(("r",), (1,), one_token_s))
+            drafter.on_forward(ForwardReport(("r",), (4,), one_token_s * c4))
+        assert drafter.recycle_pays() == ("recycle" in expect)
+        drafter.start("r", prompt)
+        assert set(drafter.propose("r", Budget(64, 12)).sources) == expect
+        drafter.stop("r")
+    assert MixtureDrafter(recycle_max_cost=float("inf")).recycle_pays()
 
 
 def test_lookahead_window_rides_as_not_candidates():

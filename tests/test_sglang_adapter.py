@@ -309,9 +309,12 @@ def test_every_exit_releases_request_state(recording):
     assert sorted(stops) == ["a", "b", "b", "c", "d"]
 
 
+SERVABLE = [name for name in drafters.available() if not drafters.drafter_class(name).needs_model]
+
+
 def _buildable_drafters():
     names = []
-    for name in drafters.available():
+    for name in SERVABLE:
         try:
             drafters.make(name)
         except Exception:  # needs options (e.g. a reference) or an optional dependency
@@ -464,7 +467,7 @@ def draft_stream_digest(name: str, seed: int = 0) -> str:
 def digests_under_other_hash_seeds():
     """Each registered drafter's digest from two processes with different PYTHONHASHSEED (as two TP ranks)."""
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_sglang_adapter as t; "
-            "from freespec import drafters; print(json.dumps({n: t.draft_stream_digest(n) for n in drafters.available()}))")
+            "from freespec import drafters; print(json.dumps({n: t.draft_stream_digest(n) for n in t.SERVABLE}))")
     out = []
     for hash_seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=hash_seed)
@@ -474,7 +477,7 @@ def digests_under_other_hash_seeds():
     return out
 
 
-@pytest.mark.parametrize("name", drafters.available())
+@pytest.mark.parametrize("name", SERVABLE)
 def test_drafters_are_deterministic(name, digests_under_other_hash_seeds):
     """SGLang does not broadcast NGRAM drafts: every TP rank must draft the same tree from the same calls."""
     here = draft_stream_digest(name)
@@ -667,13 +670,22 @@ def test_options_from_file_env_and_flags(tmp_path, monkeypatch):
     assert corpus.drafter_name == "suffix" and corpus.drafter.suffix.max_depth == 7
 
 
-@pytest.mark.parametrize("name", drafters.available())
+@pytest.mark.parametrize("name", SERVABLE)
 def test_example_config_serves_every_drafter(name):
     """launch.sh NAME and DRAFTER=NAME gpu_check.sh pass the example file with any drafter."""
     options.check_config(EXAMPLE_CONFIG)
     resolved = options.resolve(name, EXAMPLE_CONFIG)
     corpus = DraftServer(draft_token_num=8, drafter=resolved.drafter, drafter_options=resolved.drafter_options)
     assert corpus.drafter_name == name
+
+
+def test_model_drafters_are_refused_under_sglang():
+    """SGLang's NGRAM worker drafts without the model: a drafter that needs it is refused by name at launch."""
+    assert "early_exit" in drafters.available() and "early_exit" not in SERVABLE
+    with pytest.raises(ValueError, match=r"drafter 'early_exit' drafts with the target model's layers"):
+        DraftServer(drafter="early_exit")
+    with pytest.raises(ValueError, match=r"drafter 'mixture' drafts with the target model's layers"):
+        DraftServer(drafter="mixture", drafter_options={"early_exit": True})
 
 
 def test_mixture_fills_every_slot_under_sglang():

@@ -18,7 +18,9 @@ Sources, each a tree of continuations:
   the request's bigrams; it drafts where no text repeats (chat, translation, QA). With
   ``recycle_below`` > 0 it is consulted only while no lookup source matches that many
   tokens, SAM-Decoding's rule (a long match wins outright); by default every step, and the
-  cost model decides;
+  cost model decides, but only where verification is nearly flat: while the live cost model's
+  c(4) <= ``recycle_max_cost`` (1.5). On a CPU in float32 (c(4) ~ 1.7) recycled nodes raised tau
+  but cost time (see ``recycle_pays``); in bfloat16 on AMX and on GPUs they pay;
 - ``lookahead``: a Jacobi window riding in the forward as not-candidate nodes and the n-gram
   pool it fills (``LookaheadSource``, off by default: see the README's table for what it
   measured on CPUs).
@@ -70,7 +72,7 @@ from .corpus import DocumentIndex, DocumentSource
 from .early_exit import EarlyExitDrafter
 from .lookahead import LookaheadSource
 from .ngram_table import NgramTableDrafter
-from .options import check_bool, check_int
+from .options import check_bool, check_int, check_number
 from .prediction import PredictionSource
 from .recycle import RecycleSource
 from .suffix import RequestHistory, SuffixSource, resolve_history
@@ -92,7 +94,9 @@ class MixtureDrafter(Drafter):
     ngram: consult an n-gram table when no source matches ``ngram_below`` tokens;
         ngram_shared: one table for all requests.
     recycle: token recycling (``RecycleSource``) while no lookup source matches
-        ``recycle_below`` tokens or more (0: always); recycle_top_k: successors per token;
+        ``recycle_below`` tokens or more (0: always) and the live cost of a 4-token forward is
+        at most ``recycle_max_cost`` times a 1-token one (``recycle_pays``; ``float('inf')``:
+        whatever the cost); recycle_top_k: successors per token;
         recycle_shared: one successor table for all requests (False: one per request).
     lookahead: a Jacobi window and n-gram pool (``LookaheadSource``), off by default;
         lookahead_window / lookahead_ngram / lookahead_guesses: its W, N, G.
@@ -110,7 +114,7 @@ class MixtureDrafter(Drafter):
                  max_occurrences: int = 64, history_tokens: int = 0, history_prompts: bool = False,
                  history: RequestHistory | None = None, documents: DocumentIndex | None = None,
                  ngram: bool = False, ngram_below: int = 3, ngram_shared: bool = False,
-                 recycle: bool = True, recycle_below: int = 0, recycle_top_k: int = 8, recycle_shared: bool = True,
+                 recycle: bool = True, recycle_below: int = 0, recycle_max_cost: float = 1.5, recycle_top_k: int = 8, recycle_shared: bool = True,
                  lookahead: bool = False, lookahead_window: int = 5, lookahead_ngram: int = 4,
                  lookahead_guesses: int = 5, prior_cost_slope: float = 0.03, early_exit: bool = False):
         super().__init__()
@@ -122,6 +126,7 @@ class MixtureDrafter(Drafter):
         check_bool("ngram_shared", ngram_shared)
         self.ngram = NgramTableDrafter(shared=ngram_shared) if check_bool("ngram", ngram) else None
         self.recycle_below = check_int("recycle_below", recycle_below, 0)
+        self.recycle_max_cost = check_number("recycle_max_cost", recycle_max_cost, 1.0)
         recycle_options = (check_int("recycle_top_k", recycle_top_k, 1), check_bool("recycle_shared", recycle_shared))
         self.recycle = RecycleSource(*recycle_options) if check_bool("recycle", recycle) else None
         lookahead_options = (check_int("lookahead_window", lookahead_window, 1),
@@ -229,6 +234,16 @@ class MixtureDrafter(Drafter):
         table = self.recycle.table_for(request_id)
         return table.top1
 
+    def recycle_pays(self, batch_size: int = 1) -> bool:
+        """Whether recycled trees are drafted: the cost curve is flat, ``c(4) <= recycle_max_cost``.
+
+        Measured on qwen2.5-coder-0.5b (README Results): where c(4) ~ 1.1-1.3 (bfloat16 on AMX)
+        recycling raises Spec-Bench tokens/s from 1.51x to 1.57x plain decoding; where c(4) ~ 1.7
+        (float32) it raises tau but costs time (code edits 4.42x -> 3.89x plain, Spec-Bench equal).
+        Until forwards of about 4 tokens are measured the prior curve counts as flat.
+        """
+        return self.sizer.cost_model.cost(4, batch_size) <= self.recycle_max_cost
+
     # ---------------------------------------------------------------- drafting
     def _source_drafts(self, request_id, budget: Budget) -> list[tuple[str, int, Draft]]:
         """(source, match_len, draft with raw frequencies as confidence) for every lookup source that matches."""
@@ -248,7 +263,8 @@ class MixtureDrafter(Drafter):
         scored = [calibrate_lookup(self.calibrator, *source) for source in lookups]
         root = int(self.context(request_id)[-1])
         longest = max((match_len for _, match_len, _ in lookups), default=0)
-        if self.recycle is not None and (self.recycle_below == 0 or longest < self.recycle_below):
+        if self.recycle is not None and (self.recycle_below == 0 or longest < self.recycle_below) \
+                and self.recycle_pays(budget.batch_size):
             scored.append(self.recycle.draft(request_id, self.context(request_id), budget, self.calibrator))
         if self.lookahead is not None:
             scored.append(calibrate_lookup(self.calibrator, "lookahead", 1,

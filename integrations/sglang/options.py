@@ -146,9 +146,13 @@ def build_drafter(name: str, drafter_options: dict, where: str = "drafter_option
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{where}: drafter {name!r} option 'documents': {exc}") from None
     try:
-        return drafters.make(name, **built)
+        drafter = drafters.make(name, **built)
     except ValueError as exc:
         raise ValueError(f"{where}: drafter {name!r}: {exc}") from None
+    if drafter.needs_model:  # early_exit, or a mixture with early_exit=True
+        raise ValueError(f"{where}: drafter {name!r} drafts with the target model's layers, which SGLang's NGRAM "
+                         f"worker does not hand to drafters; use a lookup drafter (mixture, suffix, ...) under SGLang")
+    return drafter
 
 
 def check_config(config_path: str | os.PathLike) -> None:
