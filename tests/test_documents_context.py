@@ -23,10 +23,10 @@ class RecordingCorpus(CorpusDrafter):
     def __init__(self):
         super().__init__()
         self.received = []
-        self.lock = threading.Lock()
+        self.received_lock = threading.Lock()  # (``lock`` is the drafter's own)
 
     def add_documents(self, request_id, docs, tokenizer=None):
-        with self.lock:
+        with self.received_lock:
             self.received.append([np.asarray(doc).tolist() for doc in docs])
         super().add_documents(request_id, docs, tokenizer)
 
