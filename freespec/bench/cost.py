@@ -161,10 +161,9 @@ def measure_cost_curve(model, sizes=PROBE_SIZES, prefix_tokens: int = 512, repea
     Returns ``{"sizes", "ms" (median per size), "ratios" (ms / ms at size 1),
     "samples_ms" (every timing, per size), "prefill": {"tokens", "ms"} (one row),
     "prefix_tokens", "repeats", "batch_size", "threads", "dtype", "device", "seconds"}``;
-    with ``batch_size`` > 1 also ``one_row_ms``: the median one-token forward of
-    a single row, timed in the same rounds. One untimed round goes first;
-    rounds alternate increasing and decreasing order so a drift in the
-    machine's speed hits every size alike.
+    with ``batch_size`` > 1 also ``one_row_ms``: the median one-token forward of a single row, timed in the
+    same rounds. One untimed round goes first; rounds alternate increasing and decreasing order so a drift
+    in the machine's speed hits every size alike.
     """
     import torch
 
@@ -172,24 +171,16 @@ def measure_cost_curve(model, sizes=PROBE_SIZES, prefix_tokens: int = 512, repea
     from ..draft import Draft
     from ..engine import ModelTraits, compact_cache, forward_rows, make_cache
 
-    if not sizes or sizes[0] != 1 or any(b <= a for a, b in zip(sizes, sizes[1:])):
-        raise ValueError(f"sizes must increase from 1, got {list(sizes)}")
-    if prefix_tokens < 1 or repeats < 1 or prefill_repeats < 1 or batch_size < 1:
-        raise ValueError(f"prefix_tokens, repeats, prefill_repeats and batch_size must be >= 1, got {prefix_tokens}, "
-                         f"{repeats}, {prefill_repeats}, {batch_size}")
+    _check_probe(sizes, prefix_tokens, repeats, prefill_repeats, batch_size)
     started = time.perf_counter()
     traits = ModelTraits.of(model)
-    vocab_size = model.get_input_embeddings().num_embeddings
-    ids = np.random.default_rng(seed).integers(0, vocab_size, prefix_tokens + sizes[-1]).tolist()
+    ids = np.random.default_rng(seed).integers(0, model.get_input_embeddings().num_embeddings,
+                                               prefix_tokens + sizes[-1]).tolist()
     prefix, fed = ids[:prefix_tokens], ids[prefix_tokens:]
     positions = np.arange(prefix_tokens + 1, dtype=np.int64)
 
     def timed_ms(cache, layout, rows) -> float:
-        _synchronize(model.device)
-        t0 = time.perf_counter()
-        forward_rows(model, traits, cache, layout, rows)
-        _synchronize(model.device)
-        return 1000 * (time.perf_counter() - t0)
+        return _timed_forward_ms(forward_rows, model, traits, cache, layout, rows)
 
     def prefilled(num_rows: int):
         """A cache holding the prefix in every row (prefilled once, copied) and its layout."""
@@ -206,8 +197,7 @@ def measure_cost_curve(model, sizes=PROBE_SIZES, prefix_tokens: int = 512, repea
         prefill_ms = [timed_ms(make_cache(), KVLayout(1), [RowStep(prefix, positions[:-1], Draft.empty())])
                       for _ in range(prefill_repeats + 1)][1:]
         batch, single = prefilled(batch_size), (prefilled(1) if batch_size > 1 else None)
-        samples: dict[int, list[float]] = {k: [] for k in sizes}
-        one_row: list[float] = []
+        samples, one_row = {k: [] for k in sizes}, []  # ms per size; one-row one-token ms
         for rep in range(repeats + 1):  # round 0 warms up
             for k in (sizes if rep % 2 == 0 else sizes[::-1]):
                 ms = timed_ms(batch[0], batch[1], step(k, batch_size))
@@ -219,18 +209,44 @@ def measure_cost_curve(model, sizes=PROBE_SIZES, prefix_tokens: int = 512, repea
                 compact_cache(single[0], prefix_tokens, [])
                 if rep:
                     one_row.append(ms)
+    out = _probe_result(model, samples, prefill_ms, prefix_tokens, repeats, batch_size)
+    if one_row:
+        out["one_row_ms"] = statistics.median(one_row)
+    out["seconds"] = time.perf_counter() - started
+    return out
+
+
+def _timed_forward_ms(forward_rows, model, traits, cache, layout, rows) -> float:
+    """Milliseconds of one engine forward, the device synchronized on both sides."""
+    _synchronize(model.device)
+    t0 = time.perf_counter()
+    forward_rows(model, traits, cache, layout, rows)
+    _synchronize(model.device)
+    return 1000 * (time.perf_counter() - t0)
+
+
+def _check_probe(sizes, prefix_tokens: int, repeats: int, prefill_repeats: int, batch_size: int) -> None:
+    if not sizes or sizes[0] != 1 or any(b <= a for a, b in zip(sizes, sizes[1:])):
+        raise ValueError(f"sizes must increase from 1, got {list(sizes)}")
+    if prefix_tokens < 1 or repeats < 1 or prefill_repeats < 1 or batch_size < 1:
+        raise ValueError(f"prefix_tokens, repeats, prefill_repeats and batch_size must be >= 1, got {prefix_tokens}, "
+                         f"{repeats}, {prefill_repeats}, {batch_size}")
+
+
+def _probe_result(model, samples: dict, prefill_ms: list, prefix_tokens: int, repeats: int, batch_size: int) -> dict:
+    """``measure_cost_curve``'s dict from its timings (per size, in ms) and the model's settings."""
+    import torch
+
+    sizes = list(samples)
     medians = [statistics.median(samples[k]) for k in sizes]
-    out = {
-        "sizes": list(sizes), "ms": medians, "ratios": [ms / medians[0] for ms in medians],
+    return {
+        "sizes": sizes, "ms": medians, "ratios": [ms / medians[0] for ms in medians],
         "samples_ms": {str(k): v for k, v in samples.items()},
         "prefill": {"tokens": prefix_tokens, "ms": statistics.median(prefill_ms)},
         "prefix_tokens": prefix_tokens, "repeats": repeats, "batch_size": batch_size,
         "threads": torch.get_num_threads(), "dtype": str(model.dtype).removeprefix("torch."),
-        "device": str(model.device), "seconds": time.perf_counter() - started,
+        "device": str(model.device),
     }
-    if one_row:
-        out["one_row_ms"] = statistics.median(one_row)
-    return out
 
 
 def _synchronize(device) -> None:
