@@ -158,12 +158,11 @@ def measure_cost_curve(model, sizes=PROBE_SIZES, prefix_tokens: int = 512, repea
     """Time the engine's verify forward feeding each of ``sizes`` tokens (to each of ``batch_size`` rows)
     over ``prefix_tokens`` cached ones.
 
-    Returns ``{"sizes", "ms" (median per size), "ratios" (ms / ms at size 1),
-    "samples_ms" (every timing, per size), "prefill": {"tokens", "ms"} (one row),
-    "prefix_tokens", "repeats", "batch_size", "threads", "dtype", "device", "seconds"}``;
-    with ``batch_size`` > 1 also ``one_row_ms``: the median one-token forward of a single row, timed in the
-    same rounds. One untimed round goes first; rounds alternate increasing and decreasing order so a drift
-    in the machine's speed hits every size alike.
+    Returns ``{"sizes", "ms" (median per size), "ratios" (ms / ms at size 1), "samples_ms" (every timing,
+    per size), "prefill": {"tokens", "ms"} (one row), "prefix_tokens", "repeats", "batch_size", "threads",
+    "dtype", "device", "seconds"}``; with ``batch_size`` > 1 also ``one_row_ms``: the median one-token
+    forward of a single row, timed in the same rounds. One untimed round goes first; rounds alternate
+    increasing and decreasing order so a drift in the machine's speed hits every size alike.
     """
     import torch
 
