@@ -49,6 +49,7 @@ def test_sliding_window_masks_far_keys(parents, window):
 
 
 @given(parent_arrays(max_nodes=40))
+@settings(deadline=None)  # six Numba kernels per example: ~300 ms on a loaded 2-core machine
 def test_tree_walks_match_their_twins(parents):
     assert node_depths(parents).tolist() == naive_depths(parents.tolist())
     assert ancestor_matrix(parents).tolist() == naive_ancestors(parents.tolist())
