@@ -7,9 +7,14 @@ import functools
 
 import pytest
 import torch
+from hypothesis import settings
 
 from freespec import models
 from freespec.testing.models import tiny_random
+
+# property tests check values, not speed: a loaded CI core must not fail them on hypothesis's 200 ms deadline
+settings.register_profile("freespec", deadline=None)
+settings.load_profile("freespec")
 
 
 @functools.lru_cache(maxsize=None)
