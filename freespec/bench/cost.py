@@ -168,7 +168,7 @@ def measure_cost_curve(model, sizes=PROBE_SIZES, prefix_tokens: int = 512, repea
 
     from ..batch import KVLayout, RowStep
     from ..draft import Draft
-    from ..engine import ModelTraits, compact_cache, forward_rows, make_cache
+    from ..engine import ModelTraits, compact_cache, make_cache
 
     _check_probe(sizes, prefix_tokens, repeats, prefill_repeats, batch_size)
     started = time.perf_counter()
@@ -179,7 +179,7 @@ def measure_cost_curve(model, sizes=PROBE_SIZES, prefix_tokens: int = 512, repea
     positions = np.arange(prefix_tokens + 1, dtype=np.int64)
 
     def timed_ms(cache, layout, rows) -> float:
-        return _timed_forward_ms(forward_rows, model, traits, cache, layout, rows)
+        return _timed_forward_ms(model, traits, cache, layout, rows)
 
     def prefilled(num_rows: int):
         """A cache holding the prefix in every row (prefilled once, copied) and its layout."""
@@ -215,8 +215,10 @@ def measure_cost_curve(model, sizes=PROBE_SIZES, prefix_tokens: int = 512, repea
     return out
 
 
-def _timed_forward_ms(forward_rows, model, traits, cache, layout, rows) -> float:
+def _timed_forward_ms(model, traits, cache, layout, rows) -> float:
     """Milliseconds of one engine forward, the device synchronized on both sides."""
+    from ..engine import forward_rows
+
     _synchronize(model.device)
     t0 = time.perf_counter()
     forward_rows(model, traits, cache, layout, rows)
