@@ -39,7 +39,7 @@ def test_draft_is_valid_within_budget(budget, adaptive):
         assert draft.num_nodes == 0 or draft.confidence is not None
         if draft.num_nodes:
             assert np.all(draft.confidence[draft.parents[draft.parents >= 0]] >= draft.confidence[draft.parents >= 0])
-            assert set(draft.sources) <= {"suffix", "ngram", "recycle"}
+            assert set(draft.sources) <= {"suffix", "ngram", "recycle", "lookahead"}
         drafter.extend("r", RNG.integers(10, 500, size=1 + step % 3))
     drafter.stop("r")
 
@@ -56,7 +56,7 @@ def test_dedup_across_sources_and_attribution():
     shared = RequestHistory(10_000)
     documents = DocumentIndex()
     documents.add(TEXT)
-    drafter = MixtureDrafter(history=shared, documents=documents, adaptive=False, recycle=False)
+    drafter = MixtureDrafter(history=shared, documents=documents, adaptive=False, recycle=False, lookahead=False)
     drafter.start("old", PROMPT[:10])
     drafter.extend("old", TEXT[10:120])  # output: a later request finds TEXT in the shared corpus
     drafter.stop("old")
@@ -80,7 +80,7 @@ def test_dedup_across_sources_and_attribution():
 
 
 def test_add_documents_is_per_request():
-    drafter = MixtureDrafter(recycle=False)
+    drafter = MixtureDrafter(recycle=False, lookahead=False)
     doc = np.arange(2000, 2040)
     drafter.start("a", [5, 6])
     drafter.add_documents("a", [doc])
@@ -211,19 +211,19 @@ def _run_steps(drafter, source_draft, truth_fn, num_steps, forward_s=lambda n: 0
 
 def test_gating_drops_an_always_wrong_source():
     wrong = Draft.chain(list(range(100, 112)), score=1.0)  # confident, 12-token match, always wrong
-    sizes = _run_steps(MixtureDrafter(recycle=False), wrong, lambda step: [7], 45)
+    sizes = _run_steps(MixtureDrafter(recycle=False, lookahead=False), wrong, lambda step: [7], 45)
     assert sizes[0] == 12  # trusted at first (a long match)
     assert max(sizes[3:]) <= 3  # the tree shrinks after a few rejections
     assert sizes[-10:] == [0] * 10  # and is gated out: one node no longer pays c(2) / c(1)
     # without adaptive sizing it keeps proposing
-    sizes = _run_steps(MixtureDrafter(adaptive=False, recycle=False), wrong, lambda step: [7], 10)
+    sizes = _run_steps(MixtureDrafter(adaptive=False, recycle=False, lookahead=False), wrong, lambda step: [7], 10)
     assert sizes == [12] * 10
 
 
 def test_always_right_source_keeps_full_trees():
     chain = list(range(100, 124))
     right = Draft.chain(chain, score=1.0)
-    sizes = _run_steps(MixtureDrafter(recycle=False), right, lambda step: chain[:12] + [5], 30)
+    sizes = _run_steps(MixtureDrafter(recycle=False, lookahead=False), right, lambda step: chain[:12] + [5], 30)
     assert sizes == [12] * 30  # the budget's depth caps the chain (the source returned 24 nodes)
 
 
@@ -232,7 +232,7 @@ def test_option_validation():
                     {"history_tokens": 1}, {"history_tokens": -3}, {"history": object()},
                     {"history": RequestHistory(100), "history_tokens": 100}, {"documents": [1, 2]},
                     {"ngram": "yes"}, {"ngram_below": 0}, {"prior_cost_slope": -1}, {"recycle": 1},
-                    {"recycle_below": -1}, {"recycle_max_cost": 0.5}, {"recycle_top_k": 0}, {"recycle_shared": "no"}, {"lookahead": "yes"},
+                    {"recycle_below": -1}, {"flat_max_cost": 0.5}, {"recycle_top_k": 0}, {"recycle_shared": "no"}, {"lookahead": "yes"},
                     {"lookahead_window": 0}, {"lookahead_ngram": 1}, {"lookahead_guesses": 0}):
         with pytest.raises(ValueError):
             MixtureDrafter(**options)
@@ -251,8 +251,10 @@ def test_option_validation():
 def test_observe_top_k_follows_the_sources():
     assert MixtureDrafter().observe_top_k == 8
     assert MixtureDrafter(recycle_top_k=4).observe_top_k == 4
-    assert MixtureDrafter(recycle=False).observe_top_k == 0
-    assert MixtureDrafter(recycle=False, lookahead=True).observe_top_k == 1
+    assert MixtureDrafter(recycle=False, lookahead=False).observe_top_k == 0
+    assert MixtureDrafter(recycle=False).observe_top_k == 1  # the window reads the top-1
+    assert MixtureDrafter().lookahead is not None and MixtureDrafter(lookahead=False).lookahead is None
+    assert MixtureDrafter(early_exit=True).lookahead is None  # lookahead defaults to on, except beside early_exit
 
 
 def test_observe_feeds_the_successor_table():
@@ -269,27 +271,68 @@ def test_observe_feeds_the_successor_table():
 
 def test_recycle_below_keeps_long_matches_alone():
     for below, expect in ((0, {"suffix", "recycle"}), (4, {"suffix"})):
-        drafter = MixtureDrafter(recycle_below=below, adaptive=False)
+        drafter = MixtureDrafter(recycle_below=below, adaptive=False, lookahead=False)
         # a long match; the root TEXT[49] was also followed by 7 once: its text row is [7, TEXT[50]]
         drafter.start("r", np.concatenate([TEXT, TEXT[49:50], [7], TEXT[:50]]))
         assert set(drafter.propose("r", Budget(64, 12)).sources) == expect
         drafter.stop("r")
 
 
-def test_recycle_drafts_only_where_the_measured_cost_curve_is_flat():
+def _measure_c4(drafter, c4: float, one_token_s: float = 0.1) -> None:
+    for _ in range(4):
+        drafter.on_forward(ForwardReport(("r",), (1,), one_token_s))
+        drafter.on_forward(ForwardReport(("r",), (4,), one_token_s * c4))
+
+
+def test_recycling_and_lookahead_run_only_where_the_measured_cost_curve_is_flat():
     prompt = np.concatenate([TEXT, TEXT[49:50], [7], TEXT[:50]])
-    one_token_s = 0.1
-    for c4, expect in ((1.73, {"suffix"}), (1.10, {"suffix", "recycle"})):  # float32 / bfloat16 on AMX, README
+    for c4, flat in ((1.73, False), (1.10, True)):  # float32 / bfloat16 on AMX, README
         drafter = MixtureDrafter(adaptive=False)
-        assert drafter.recycle_pays()  # before any measurement the prior curve is flat
-        for _ in range(4):
-            drafter.on_forward(ForwardReport(("r",), (1,), one_token_s))
-            drafter.on_forward(ForwardReport(("r",), (4,), one_token_s * c4))
-        assert drafter.recycle_pays() == ("recycle" in expect)
+        assert drafter.flat_curve() and drafter.observe_top_k == 8  # before any measurement the prior is flat
+        _measure_c4(drafter, c4)
+        assert drafter.flat_curve() == flat
+        assert drafter.observe_top_k == (8 if flat else 0)  # no top-k computed for a gated-off table
         drafter.start("r", prompt)
-        assert set(drafter.propose("r", Budget(64, 12)).sources) == expect
+        draft = drafter.propose("r", Budget(64, 12))
+        expect = {"suffix", "recycle", "lookahead"} if flat else {"suffix"}
+        assert set(draft.sources) == expect
+        assert draft.candidate_mask().all() != flat  # the window rides (as not-candidates) only where flat
         drafter.stop("r")
-    assert MixtureDrafter(recycle_max_cost=float("inf")).recycle_pays()
+    assert MixtureDrafter(flat_max_cost=float("inf")).flat_curve()
+
+
+def test_the_gate_reads_measured_widths_not_the_sizers_exploration():
+    """A steep curve closes the gate even when no 4-token forward was measured (the window keeps forwards wide)."""
+    drafter = MixtureDrafter()
+    for _ in range(4):
+        drafter.on_forward(ForwardReport(("r",), (1,), 0.1))
+        drafter.on_forward(ForwardReport(("r",), (16,), 0.22))  # float32 on a CPU: c(16) ~ 2.2
+    assert drafter.cost_model.cost(4) < 1.5  # the sizer still explores 4 tokens optimistically
+    assert drafter.cost_model.at_most(4) == pytest.approx(2.2)  # the nearest measured width above 4
+    assert not drafter.flat_curve() and drafter.observe_top_k == 0
+    drafter = MixtureDrafter()
+    for _ in range(4):
+        drafter.on_forward(ForwardReport(("r",), (1,), 0.1))
+        drafter.on_forward(ForwardReport(("r",), (16,), 0.114))  # bfloat16 on AMX: c(16) ~ 1.14
+    assert drafter.flat_curve()
+
+
+def test_a_closed_gate_draws_nothing_from_the_sources_that_read_the_model():
+    """While c(4) is steep the mixture proposes exactly what the lookup-only mixture proposes."""
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 40, 300)
+    gated, lookup = MixtureDrafter(), MixtureDrafter(recycle=False, lookahead=False)
+    for drafter in (gated, lookup):
+        _measure_c4(drafter, 1.9)
+        drafter.start("r", prompt)
+    for step in range(40):
+        budget = Budget(16, 8)
+        a, b = gated.propose("r", budget), lookup.propose("r", budget)
+        assert a.node_paths() == b.node_paths()
+        assert gated.observe_top_k == 0
+        committed = rng.integers(0, 40, 1 + step % 3)
+        gated.extend("r", committed)
+        lookup.extend("r", committed)
 
 
 def test_lookahead_window_rides_as_not_candidates():

@@ -692,13 +692,17 @@ def test_mixture_fills_every_slot_under_sglang():
     """SGLang verifies D slots whatever is drafted: the mixture is never sized down by its cost model."""
     corpus = DraftServer(draft_token_num=16, drafter="mixture")
     assert corpus.drafter.adaptive is False
+    assert corpus.drafter.lookahead is None  # the window cannot ride in SGLang's tree
     with pytest.raises(ValueError, match=r"drafter 'mixture' option 'adaptive' must be False under SGLang"):
         DraftServer(drafter="mixture", drafter_options={"adaptive": True})
+    with pytest.raises(ValueError, match=r"option 'lookahead' must be False under SGLang, got True: the lookahead "
+                                         r"window rides as not-candidate nodes"):
+        DraftServer(drafter="mixture", drafter_options={"lookahead": True})
     # [7, 8] was followed by 8 different texts: deep nodes are unlikely, and an adaptive mixture keeps 8 nodes
     # of its suffix tree (recycling off: its bigram rows would add a few of their own)
     rng = np.random.default_rng(0)
     context = [t for _ in range(8) for t in [7, 8] + rng.integers(100, 2000, 15).tolist()] + [7, 8]
-    adaptive = drafters.make("mixture", adaptive=True, recycle=False)
+    adaptive = drafters.make("mixture", adaptive=True, recycle=False, lookahead=False)
     adaptive.start("r", context)
     assert adaptive.propose("r", Budget(15, 15)).num_nodes == 8
     corpus.offer_contexts([("r", context, [])])

@@ -57,6 +57,7 @@ number about the model and machine, shared.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Hashable
 
 import numpy as np
@@ -373,7 +374,7 @@ class LookaheadDrafter(Drafter):
         self._proposed: dict[Hashable, Draft] = {}  # request -> candidates verified this step
 
     def _on_start(self, request_id) -> None:
-        self.lookahead.start(request_id, lambda: self.context(request_id))
+        self.lookahead.start(request_id, partial(self.context, request_id))
 
     def _on_extend(self, request_id, ids: np.ndarray) -> None:
         candidates = self._proposed.pop(request_id, None)

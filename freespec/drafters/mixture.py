@@ -18,12 +18,16 @@ Sources, each a tree of continuations:
   the request's bigrams; it drafts where no text repeats (chat, translation, QA). With
   ``recycle_below`` > 0 it is consulted only while no lookup source matches that many
   tokens, SAM-Decoding's rule (a long match wins outright); by default every step, and the
-  cost model decides, but only where verification is nearly flat: while the live cost model's
-  c(4) <= ``recycle_max_cost`` (1.5). On a CPU in float32 (c(4) ~ 1.7) recycled nodes raised tau
-  but cost time (see ``recycle_pays``); in bfloat16 on AMX and on GPUs they pay;
+  cost model decides;
 - ``lookahead``: a Jacobi window riding in the forward as not-candidate nodes and the n-gram
-  pool it fills (``LookaheadSource``, off by default: see the README's table for what it
-  measured on CPUs).
+  pool it fills (``LookaheadSource``, on by default unless ``early_exit``).
+
+The two sources that read the model (``recycle``, ``lookahead``) run only where verification
+is nearly flat: while the live cost model's c(4) <= ``flat_max_cost`` (1.5; ``flat_curve``).
+There (bfloat16 on AMX CPUs, GPUs) their wide trees and the window cost little more than a
+one-token forward; on a CPU in float32 (c(4) ~ 1.7) recycled nodes raised tau but cost time
+(README Results). While the gate is closed they cost nothing: no drafts, no window, and the
+engine computes no top-k for them (``observe_top_k`` is 0).
 
 Each step, every node gets a *calibrated* path probability: the chance it is accepted,
 the product along its path of P(accepted | parent accepted) per kind of node, counted
@@ -60,6 +64,7 @@ history or a shared n-gram table is configured.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Hashable, Iterable
 
 import numpy as np
@@ -94,12 +99,12 @@ class MixtureDrafter(Drafter):
     ngram: consult an n-gram table when no source matches ``ngram_below`` tokens;
         ngram_shared: one table for all requests.
     recycle: token recycling (``RecycleSource``) while no lookup source matches
-        ``recycle_below`` tokens or more (0: always) and the live cost of a 4-token forward is
-        at most ``recycle_max_cost`` times a 1-token one (``recycle_pays``; ``float('inf')``:
-        whatever the cost); recycle_top_k: successors per token;
+        ``recycle_below`` tokens or more (0: always); recycle_top_k: successors per token;
         recycle_shared: one successor table for all requests (False: one per request).
-    lookahead: a Jacobi window and n-gram pool (``LookaheadSource``), off by default;
-        lookahead_window / lookahead_ngram / lookahead_guesses: its W, N, G.
+    lookahead: a Jacobi window and n-gram pool (``LookaheadSource``); None (the default): on
+        unless ``early_exit``; lookahead_window / lookahead_ngram / lookahead_guesses: its W, N, G.
+    flat_max_cost: recycling and lookahead run while the live cost of a 4-token forward is at
+        most this many 1-token ones (``flat_curve``; ``float('inf')``: whatever the cost).
     prior_cost_slope: the cost model's prior, ``c(n) = 1 + slope (n - 1)``.
     early_exit: self-draft with the target's own layers where no other source pays (see above).
     """
@@ -114,9 +119,10 @@ class MixtureDrafter(Drafter):
                  max_occurrences: int = 64, history_tokens: int = 0, history_prompts: bool = False,
                  history: RequestHistory | None = None, documents: DocumentIndex | None = None,
                  ngram: bool = False, ngram_below: int = 3, ngram_shared: bool = False,
-                 recycle: bool = True, recycle_below: int = 0, recycle_max_cost: float = 1.5, recycle_top_k: int = 8, recycle_shared: bool = True,
-                 lookahead: bool = False, lookahead_window: int = 5, lookahead_ngram: int = 4,
-                 lookahead_guesses: int = 5, prior_cost_slope: float = 0.03, early_exit: bool = False):
+                 recycle: bool = True, recycle_below: int = 0, recycle_top_k: int = 8, recycle_shared: bool = True,
+                 lookahead: bool | None = None, lookahead_window: int = 5, lookahead_ngram: int = 4,
+                 lookahead_guesses: int = 5, flat_max_cost: float = 1.5, prior_cost_slope: float = 0.03,
+                 early_exit: bool = False):
         super().__init__()
         history = resolve_history(history_tokens, history_prompts, history)
         self.suffix = SuffixSource(min_match, max_depth, min_prob, max_occurrences, history)
@@ -126,18 +132,19 @@ class MixtureDrafter(Drafter):
         check_bool("ngram_shared", ngram_shared)
         self.ngram = NgramTableDrafter(shared=ngram_shared) if check_bool("ngram", ngram) else None
         self.recycle_below = check_int("recycle_below", recycle_below, 0)
-        self.recycle_max_cost = check_number("recycle_max_cost", recycle_max_cost, 1.0)
+        self.flat_max_cost = check_number("flat_max_cost", flat_max_cost, 1.0)
         recycle_options = (check_int("recycle_top_k", recycle_top_k, 1), check_bool("recycle_shared", recycle_shared))
         self.recycle = RecycleSource(*recycle_options) if check_bool("recycle", recycle) else None
         lookahead_options = (check_int("lookahead_window", lookahead_window, 1),
                              check_int("lookahead_ngram", lookahead_ngram, 2),
                              check_int("lookahead_guesses", lookahead_guesses, 1))
-        self.lookahead = LookaheadSource(*lookahead_options) if check_bool("lookahead", lookahead) else None
-        self.observe_top_k = self.recycle.top_k if self.recycle is not None else (1 if self.lookahead else 0)
+        if check_bool("early_exit", early_exit) and lookahead:
+            raise ValueError("early_exit and lookahead both draft where lookup has nothing; enable one of them")
+        lookahead = not early_exit if lookahead is None else check_bool("lookahead", lookahead)
+        self.lookahead = LookaheadSource(*lookahead_options) if lookahead else None
+        self._top_k = self.recycle.top_k if self.recycle is not None else (1 if self.lookahead else 0)
         self.sizer = DraftSizer(adaptive, prior_cost_slope)
         self._pool_only: dict[Hashable, tuple[Draft, np.ndarray]] = {}  # request -> verified draft, pool-only nodes
-        if check_bool("early_exit", early_exit) and self.lookahead is not None:
-            raise ValueError("early_exit and lookahead both draft where lookup has nothing; enable one of them")
         self.early_exit = EarlyExitDrafter() if early_exit else None
         self.needs_model = early_exit
 
@@ -148,6 +155,11 @@ class MixtureDrafter(Drafter):
     @property
     def adaptive(self) -> bool:
         return self.sizer.adaptive
+
+    @property
+    def observe_top_k(self) -> int:
+        """The target's top-k the recycling table and the window read; 0 while ``flat_curve`` is False."""
+        return self._top_k if self._top_k and self.flat_curve() else 0
 
     @property
     def cost_model(self):
@@ -166,7 +178,7 @@ class MixtureDrafter(Drafter):
         if self.recycle is not None:
             self.recycle.start(request_id, context)
         if self.lookahead is not None:
-            self.lookahead.start(request_id, lambda: self.context(request_id), self._successor(request_id))
+            self.lookahead.start(request_id, partial(self.context, request_id), self._successor(request_id))
         if self.early_exit is not None:
             self.early_exit.start(request_id, context)
 
@@ -234,15 +246,18 @@ class MixtureDrafter(Drafter):
         table = self.recycle.table_for(request_id)
         return table.top1
 
-    def recycle_pays(self, batch_size: int = 1) -> bool:
-        """Whether recycled trees are drafted: the cost curve is flat, ``c(4) <= recycle_max_cost``.
+    def flat_curve(self, batch_size: int = 1) -> bool:
+        """Whether recycling and lookahead run: verification is nearly flat, ``c(4) <= flat_max_cost``.
 
         Measured on qwen2.5-coder-0.5b (README Results): where c(4) ~ 1.1-1.3 (bfloat16 on AMX)
-        recycling raises Spec-Bench tokens/s from 1.51x to 1.57x plain decoding; where c(4) ~ 1.7
-        (float32) it raises tau but costs time (code edits 4.42x -> 3.89x plain, Spec-Bench equal).
-        Until forwards of about 4 tokens are measured the prior curve counts as flat.
+        recycling raises Spec-Bench tokens/s from 1.51x to 1.57x plain decoding and the window
+        to 1.63x; where c(4) ~ 1.7 (float32) recycling raises tau but costs time (code edits
+        4.42x -> 3.89x plain, Spec-Bench equal). Until forwards of about 4 tokens are measured
+        the prior curve counts as flat; after that an unmeasured c(4) reads the nearest measured
+        width above it (``at_most``), not the sizer's optimistic exploration, which would keep the
+        gate open on a steep curve whose 4-token forwards happen to be rare.
         """
-        return self.cost_model.cost(4, batch_size) <= self.recycle_max_cost
+        return self.cost_model.at_most(4, batch_size) <= self.flat_max_cost
 
     # ---------------------------------------------------------------- drafting
     def _source_drafts(self, request_id, budget: Budget) -> list[tuple[str, int, Draft]]:
@@ -257,22 +272,23 @@ class MixtureDrafter(Drafter):
             out.append(("ngram", 1, self.ngram.propose(request_id, Budget(budget.num_nodes, depth))))
         return [source for source in out if source[2].num_nodes]
 
-    def _scored_drafts(self, request_id, budget: Budget) -> list[tuple[Draft, list[tuple]]]:
-        """Every source's tree with calibrated path probabilities as confidence, and its nodes' kinds."""
+    def _scored_drafts(self, request_id, budget: Budget, flat: bool) -> list[tuple[Draft, list[tuple]]]:
+        """Every source's tree with calibrated path probabilities as confidence, and its nodes' kinds
+        (recycling's and the pool's only where ``flat``)."""
         lookups = self._source_drafts(request_id, budget)
         scored = [calibrate_lookup(self.calibrator, *source) for source in lookups]
         root = int(self.context(request_id)[-1])
         longest = max((match_len for _, match_len, _ in lookups), default=0)
-        if self.recycle is not None and (self.recycle_below == 0 or longest < self.recycle_below) \
-                and self.recycle_pays(budget.batch_size):
+        if self.recycle is not None and (self.recycle_below == 0 or longest < self.recycle_below) and flat:
             scored.append(self.recycle.draft(request_id, self.context(request_id), budget, self.calibrator))
-        if self.lookahead is not None:
+        if self.lookahead is not None and flat:
             scored.append(calibrate_lookup(self.calibrator, "lookahead", 1,
                                            self.lookahead.candidates(request_id, root, budget)))
         return [(draft, kinds) for draft, kinds in scored if draft.num_nodes]
 
     def _propose(self, request_id, budget: Budget) -> Draft:
-        scored = self._scored_drafts(request_id, budget)
+        flat = self.flat_curve(budget.batch_size)
+        scored = self._scored_drafts(request_id, budget, flat)
         scored.sort(key=lambda c: -float(c[0].confidence.max()))  # the most trusted source names shared nodes
         if len(scored) == 1:
             merged, kinds = scored[0]
@@ -286,7 +302,8 @@ class MixtureDrafter(Drafter):
             kinds = [kind_of[path][1] for path in merged.node_paths()]
         else:
             merged, kinds = Draft.empty(), []
-        if self.lookahead is None:
+        if self.lookahead is None or not flat:
+            self._pool_only.pop(request_id, None)
             chosen = self.sizer.select(request_id, merged, kinds, budget)[0]
             return chosen if chosen.num_nodes else self._self_draft(request_id, budget)
         options = self.lookahead.options(request_id, budget)
@@ -309,4 +326,4 @@ class MixtureDrafter(Drafter):
 
     def warmup(self) -> None:
         """Compile the suffix, table and pool kernels on a tiny request."""
-        exercise(MixtureDrafter(min_match=1, history_tokens=64, lookahead=True))
+        exercise(MixtureDrafter(min_match=1, history_tokens=64))

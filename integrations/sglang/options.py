@@ -28,6 +28,9 @@ verifies all ``D = --speculative-num-draft-tokens`` slots every step and
 reports no forward times, so a tree sized down by a cost model saves no
 compute and only drops drafts; and sizing from measured times would let
 tensor-parallel ranks, which draft independently, propose different trees.
+The mixture's ``lookahead`` is False: its Jacobi window rides in the forward
+as not-candidate nodes, which SGLang's draft tree cannot carry, and the
+worker hands drafters no logits to fill its pool from.
 """
 
 from __future__ import annotations
@@ -43,7 +46,12 @@ ENV_DRAFTER = "FREESPEC_SGLANG_DRAFTER"
 ENV_CONFIG = "FREESPEC_SGLANG_CONFIG"
 CONFIG_KEYS = ("drafter", "drafter_options")
 # option -> the only value it may take under SGLang (the default when the drafter has the option)
-SGLANG_FIXED = {"adaptive": False}
+SGLANG_FIXED = {  # option -> (its value under SGLang, why)
+    "adaptive": (False, "SGLang verifies all --speculative-num-draft-tokens slots every step and reports no "
+                        "forward times, so a smaller tree saves nothing"),
+    "lookahead": (False, "the lookahead window rides as not-candidate nodes, which SGLang's draft tree cannot "
+                         "carry"),
+}
 
 
 @dataclass(frozen=True)
@@ -118,11 +126,10 @@ def sglang_options(name: str, drafter_options: dict, where: str) -> dict:
 
     parameters = inspect.signature(drafters.drafter_class(name).__init__).parameters
     out = dict(drafter_options)
-    for option, value in SGLANG_FIXED.items():
+    for option, (value, why) in SGLANG_FIXED.items():
         if option in out and out[option] != value:
             raise ValueError(f"{where}: drafter {name!r} option {option!r} must be {value!r} under SGLang, got "
-                             f"{out[option]!r}: SGLang verifies all --speculative-num-draft-tokens slots every "
-                             f"step and reports no forward times, so a smaller tree saves nothing")
+                             f"{out[option]!r}: {why}")
         if option in parameters:
             out[option] = value
     return out
