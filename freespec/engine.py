@@ -454,10 +454,35 @@ class SpeculativeDecoder:
         top_k = self.drafter.observe_top_k
         if top_k:
             fed = logits[: draft.num_nodes + 1]
-            topk = torch.topk(fed, k=min(top_k, fed.shape[-1]), dim=-1).indices.cpu().numpy()
+            topk = top_k_ids(fed, top_k).cpu().numpy()
             accepted = np.asarray(acceptance.accepted_nodes, np.int64)
             self.drafter.observe(row.request_id, VerifyOutput(draft, accepted, topk))
         self.drafter.extend(row.request_id, np.asarray(committed, np.int64))
+
+
+def top_k_ids(scores: torch.Tensor, k: int, chunk: int = 128) -> torch.Tensor:
+    """``torch.topk(scores, k, dim=-1).indices`` for [n, V] scores, in a sixth of the time for a large V.
+
+    Every one of a row's k largest values lies in one of the k chunks (of ``chunk`` columns) with
+    the largest maxima: a chunk holding the j-th largest value has a maximum at least that value,
+    and at most j - 1 chunks have a larger one. So a max per chunk (one pass over the row,
+    vectorized) and a top-k over k chunks replace a top-k over the row. Measured on [17, 151936]
+    float32, one thread: 0.54 ms against 3.4 ms (the recycling table reads every fed node's top-k,
+    each step). Ties may be ordered differently from ``torch.topk``.
+    """
+    num_rows, vocab = scores.shape
+    num_chunks = vocab // chunk
+    if num_chunks <= k:
+        return torch.topk(scores, k=min(k, vocab), dim=-1).indices
+    body = scores[:, : num_chunks * chunk].reshape(num_rows, num_chunks, chunk)
+    chunks = torch.topk(body.amax(dim=-1), k=k, dim=-1).indices  # [n, k]
+    candidates = body.gather(1, chunks[:, :, None].expand(-1, -1, chunk)).reshape(num_rows, k * chunk)
+    columns = (chunks[:, :, None] * chunk + torch.arange(chunk, device=scores.device)).reshape(num_rows, k * chunk)
+    if num_chunks * chunk < vocab:  # the columns past the last whole chunk are candidates too
+        candidates = torch.cat([candidates, scores[:, num_chunks * chunk:]], 1)
+        tail = torch.arange(num_chunks * chunk, vocab, device=scores.device).expand(num_rows, -1)
+        columns = torch.cat([columns, tail], 1)
+    return columns.gather(1, torch.topk(candidates, k=k, dim=-1).indices)
 
 
 def _pad_token_id(generation_config) -> int:

@@ -209,3 +209,13 @@ def naive_pool_insert(pool, max_keys, guesses, key, gram) -> None:
         pool.popitem(last=False)
     grams = [g for g in pool.pop(key, []) if g != tuple(gram)]
     pool[key] = [tuple(gram)] + grams[: guesses - 1]
+
+
+# =====================================================================================
+# freespec.engine.top_k_ids (the recycling table's top-k of every fed node)
+# =====================================================================================
+
+
+def naive_top_k_ids(rows, k) -> list[list[int]]:
+    """Each row's ``k`` largest entries' columns, largest first: ``[[1, 9, 5]], 2 -> [[1, 2]]``."""
+    return [sorted(range(len(row)), key=lambda c: -row[c])[:k] for row in rows]
