@@ -69,9 +69,12 @@ class CostModel:
     def add(self, num_tokens_fed: int, forward_s: float) -> None:
         if num_tokens_fed < 1 or num_tokens_fed > self.BUCKETS[-1] or not forward_s > 0 or math.isinf(forward_s):
             return
-        bucket = int(np.argmin(np.abs(self._log_edges - math.log2(num_tokens_fed))))
-        self._times[bucket].append(float(forward_s))
+        self._times[self._bucket(num_tokens_fed)].append(float(forward_s))
         self._curve = None
+
+    def _bucket(self, num_tokens: int) -> int:
+        """The bucket of a forward of ``num_tokens`` tokens: the nearest in log2."""
+        return int(np.argmin(np.abs(self._log_edges - math.log2(num_tokens))))
 
     def prior(self, num_tokens: float) -> float:
         return 1.0 + self.prior_slope * (num_tokens - 1)
@@ -104,9 +107,8 @@ class CostModel:
         """A measured bound on c(``num_tokens``): its bucket's value if measured, else the nearest measured
         bucket above it (c does not decrease), else ``cost``. Unlike ``cost`` it never explores: on a CPU in
         float32 (c(2) = 1.09, c(4) = 1.73, c(16) = 2.2) a line from 1 to 16 tokens would read c(4) = 1.24."""
-        bucket = int(np.argmin(np.abs(self._log_edges - math.log2(max(1, num_tokens)))))
         if self._one_token_s() is not None:
-            for b in range(bucket, len(self.BUCKETS)):
+            for b in range(self._bucket(max(1, num_tokens)), len(self.BUCKETS)):
                 if self.measured(b):
                     return float(self.curve()[b])
         return self.cost(num_tokens)
