@@ -140,6 +140,28 @@ def test_cost_model_finds_a_cheap_size_between_dear_ones():
     assert model.costs(np.array([1, 3, 80])).tolist() == pytest.approx([1.0, 1.13, model.cost(80)])
 
 
+def test_cost_model_keeps_every_width_apart_and_the_sizer_stops_below_a_step():
+    """Matrix tiles make c a staircase (bfloat16 on AMX: c(32) = 1.31, c(33) = 1.44): a width has its own value."""
+    sizer = DraftSizer()
+    forward_s = lambda n: 0.1 * (1 + 0.005 * (n - 1)) if n <= 16 else 0.125  # noqa: E731  a step after 16
+    for width in range(1, 33):
+        for _ in range(3):
+            sizer.on_forward(ForwardReport(("r",), (width,), forward_s(width)))
+    model = sizer.cost_model.of_batch(1)
+    assert model.cost(16) == pytest.approx(1.075) and model.cost(17) == pytest.approx(1.25)
+    assert model.at_most(16) == pytest.approx(1.075)
+    probs = (0.9 ** np.arange(1, 25)).astype(np.float32)  # a chain whose nodes are worth less and less
+    chain = Draft(np.arange(100, 124), np.arange(-1, 23), probs)
+    chosen, _ = sizer.select("r", chain, [("k",)] * 24, Budget(64, 48))
+    assert chosen.num_nodes == 15  # 16 tokens fed; a 16th node would cross the step
+    # an unmeasured width reads the line between the widths it lies between, at the widths they were fed
+    model = CostModel()
+    for width, c in ((1, 1.0), (13, 1.2), (40, 1.6)):
+        for _ in range(3):
+            model.add(width, 0.1 * c)
+    assert model.cost(20) == pytest.approx(1.2 + 0.4 * 7 / 27)
+
+
 def test_cost_model_prior_until_measured_and_monotone():
     model = CostModel(prior_slope=0.05)
     model.add(8, 0.1)  # no 1-token forward yet: still the prior

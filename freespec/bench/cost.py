@@ -8,7 +8,7 @@ one-token forward costs, while in float32 on 2 CPU threads c(2..16) is ~2.2.
 
 - ``measure_cost_curve(model)``: ``freespec bench``'s probe. Over a cached
   prefix of 512 random tokens it times the engine's own verify forward
-  (``forward_rows``) with a chain draft for k = 1, 2, 4, ..., 64 (the exact
+  (``forward_rows``) with a chain draft for k = 1, 2, 4, 8, 16, 17, 32, 33, 64 (the exact
   forward verification runs), cropping the cache back to the prefix after
   each, a few rounds in alternating order, and takes medians; it also times
   the prefill of the prefix itself (k = 512 over an empty cache). With
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-PROBE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+PROBE_SIZES = (1, 2, 4, 8, 16, 17, 32, 33, 64)  # 17 and 33: the steps of 16-row matrix tiles
 DEFAULT_ONE_TOKEN_MS = 100.0
 
 

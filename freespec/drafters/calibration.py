@@ -29,29 +29,33 @@ from .options import check_bool, check_int, check_number
 class CostModel:
     """c(n): forward time with ``n`` tokens fed over forward time with 1 token, measured live.
 
-    Forwards are kept per bucket ``n in BUCKETS`` (a forward goes to the nearest
-    bucket in log2), the last ``window`` of each; a bucket with ``min_samples``
-    forwards or more is *measured*, its value the median time over the median
-    time of bucket 1 (a line through the buckets' medians, read at n=1, while
-    bucket 1 has none). The small sizes have a bucket each because CPU matrix
-    kernels are not smooth there: measured on qwen2.5-coder-0.5b in float32 (one
-    thread), c(2) = 1.07, c(3) = 1.13 but c(4) = 1.9 and c(16) = 2.4, while in
-    bfloat16 on an AMX CPU c(16) = 1.3.
+    Every width ``n`` from 1 to ``MAX_WIDTH`` has its own bucket, the last ``window``
+    forwards of that width; a width with ``min_samples`` forwards or more is
+    *measured*, its value the median time over the median time of width 1 (a line
+    through the measured medians, read at n=1, while width 1 has none). Widths are
+    not pooled because matrix kernels work in tiles, so the true curve is a
+    staircase whose steps lie where the machine puts them: measured on
+    qwen2.5-coder-0.5b in bfloat16 on an AMX CPU (200-token prefix), c(16) = 1.09 but
+    c(17) = 1.15, c(32) = 1.19 but c(33) = 1.38; in float32 (one thread) c(2) = 1.07,
+    c(3) = 1.13 but c(4) = 1.9. Pooled with 16, 17 would be priced as 16 and the sizer
+    would feed 17 tokens (one pending and 16 nodes) for one node's worth.
 
-    An unmeasured bucket reads the line between its measured neighbours (the prior's
+    An unmeasured width reads the line between its measured neighbours (the prior's
     slope past the last); up to ``OPTIMISTIC_UP_TO`` tokens it is *optimistic* instead,
     the lower of that line and the prior ``1 + prior_slope (n - 1)`` (never below its
     lower neighbour), so a drafter tries each small size a few times before the curve
     says whether it pays: a cheap size between two dear ones (c(3) above) is found, not
     interpolated away, while a wide size is never tried on faith (on a machine where
-    c(2) is already 3, exploring 64 tokens would cost dozens of forwards). The curve is
-    made non-decreasing and read linearly in ``n`` between buckets, extrapolated past 64.
-    Forwards of more than 64 tokens (prefills) are ignored.
+    c(2) is already 3, exploring 64 tokens would cost dozens of forwards). Between
+    measured widths the line makes a width look as dear as its neighbours say, so the
+    sizer tries it only where that pays, and a step (17 after 16) is found by the
+    forwards that cross it. The curve is made non-decreasing and extrapolated past
+    ``MAX_WIDTH``; forwards of more than ``MAX_WIDTH`` tokens (prefills) are ignored.
 
     ``CostModel().cost(9) == 1.24`` before any measurement.
     """
 
-    BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+    MAX_WIDTH = 64
     OPTIMISTIC_UP_TO = 8
 
     def __init__(self, prior_slope: float = 0.03, window: int = 32, min_samples: int = 3):
@@ -62,87 +66,87 @@ class CostModel:
         if self.min_samples > window:
             raise ValueError(f"min_samples must be <= window, got {min_samples} > {window}")
         self.prior_slope = float(prior_slope)
-        self._times = [deque(maxlen=window) for _ in self.BUCKETS]  # per bucket: forward seconds
-        self._log_edges = np.log2(np.array(self.BUCKETS, np.float64))
-        self._curve: np.ndarray | None = None  # c at BUCKETS, cached until the next add()
+        self._times = [deque(maxlen=window) for _ in range(self.MAX_WIDTH)]  # [width - 1]: forward seconds
+        self._medians = np.full(self.MAX_WIDTH, np.nan)  # [width - 1]: median of _times, nan while empty
+        self._widths = np.arange(1, self.MAX_WIDTH + 1, dtype=np.float64)
+        self._curve: np.ndarray | None = None  # [MAX_WIDTH] c(1..MAX_WIDTH), cached until the next add()
+        self._base_s: float | None = None  # the 1-token time the cached curve divides by
 
     def add(self, num_tokens_fed: int, forward_s: float) -> None:
-        if num_tokens_fed < 1 or num_tokens_fed > self.BUCKETS[-1] or not forward_s > 0 or math.isinf(forward_s):
+        if num_tokens_fed < 1 or num_tokens_fed > self.MAX_WIDTH or not forward_s > 0 or math.isinf(forward_s):
             return
-        self._times[self._bucket(num_tokens_fed)].append(float(forward_s))
+        times = self._times[num_tokens_fed - 1]
+        times.append(float(forward_s))
+        self._medians[num_tokens_fed - 1] = float(np.median(times))
         self._curve = None
-
-    def _bucket(self, num_tokens: int) -> int:
-        """The bucket of a forward of ``num_tokens`` tokens: the nearest in log2."""
-        return int(np.argmin(np.abs(self._log_edges - math.log2(num_tokens))))
 
     def prior(self, num_tokens: float) -> float:
         return 1.0 + self.prior_slope * (num_tokens - 1)
 
-    def measured(self, bucket: int) -> bool:
-        return len(self._times[bucket]) >= self.min_samples
+    def measured(self, num_tokens: int) -> bool:
+        """Whether forwards of ``num_tokens`` (1..MAX_WIDTH) tokens are measured."""
+        return len(self._times[num_tokens - 1]) >= self.min_samples
 
     def curve(self) -> np.ndarray:
-        """c at ``BUCKETS``, ``[len(BUCKETS)]`` float64."""
+        """c(1..MAX_WIDTH), ``[MAX_WIDTH]`` float64."""
         if self._curve is None:
-            sizes = np.array(self.BUCKETS, np.float64)
-            prior = 1.0 + self.prior_slope * (sizes - 1)
+            widths = self._widths
+            prior = 1.0 + self.prior_slope * (widths - 1)
             curve = prior
-            base_s = self._one_token_s()
+            base_s = self._base_s = self._one_token_s()
             if base_s is not None:
-                known_at, known = [0], [1.0]
-                for b in range(1, len(sizes)):
-                    if self.measured(b):
-                        known_at.append(b)
-                        known.append(max(1.0, float(np.median(self._times[b])) / base_s))
-                line = np.interp(sizes, sizes[known_at], known)
+                counts = np.array([len(times) for times in self._times])
+                known_at = np.flatnonzero(counts >= self.min_samples)
+                known_at = np.concatenate([[0], known_at[known_at > 0]])
+                known = np.maximum(1.0, self._medians[known_at] / base_s)
+                known[0] = 1.0
+                line = np.interp(widths, widths[known_at], np.maximum.accumulate(known))
                 last = known_at[-1]
-                line[last + 1:] = known[-1] + self.prior_slope * (sizes[last + 1:] - sizes[last])
-                curve = np.where(sizes <= self.OPTIMISTIC_UP_TO, np.minimum(line, prior), line)
+                line[last + 1:] = known.max() + self.prior_slope * (widths[last + 1:] - widths[last])
+                curve = np.where(widths <= self.OPTIMISTIC_UP_TO, np.minimum(line, prior), line)
                 curve[known_at] = known
             self._curve = np.maximum.accumulate(curve)
         return self._curve
 
     def at_most(self, num_tokens: int) -> float:
-        """A measured bound on c(``num_tokens``): its bucket's value if measured, else the nearest measured
-        bucket above it (c does not decrease), else ``cost``. Unlike ``cost`` it never explores: on a CPU in
+        """A measured bound on c(``num_tokens``): its own value if measured, else the nearest measured width
+        above it (c does not decrease), else ``cost``. Unlike ``cost`` it never explores: on a CPU in
         float32 (c(2) = 1.09, c(4) = 1.73, c(16) = 2.2) a line from 1 to 16 tokens would read c(4) = 1.24."""
-        if self._one_token_s() is not None:
-            for b in range(self._bucket(max(1, num_tokens)), len(self.BUCKETS)):
-                if self.measured(b):
-                    return float(self.curve()[b])
+        curve = self.curve()  # sets _base_s
+        if self._base_s is not None:
+            for width in range(max(1, num_tokens), self.MAX_WIDTH + 1):
+                if self.measured(width):
+                    return float(curve[width - 1])
         return self.cost(num_tokens)
 
     def _one_token_s(self) -> float | None:
-        """Median 1-token forward time; without one, a line through the other buckets' medians at n=1."""
+        """Median 1-token forward time; without one, a line through the other widths' medians at n=1."""
         if self._times[0]:
-            return float(np.median(self._times[0]))
-        measured = [(n, float(np.median(t))) for n, t in zip(self.BUCKETS, self._times) if t]
-        if len(measured) < 2:
+            return float(self._medians[0])
+        present = np.flatnonzero(~np.isnan(self._medians))
+        if len(present) < 2:
             return None
-        sizes, times = np.array(measured).T
+        sizes, times = self._widths[present], self._medians[present]
         slope, intercept = np.polyfit(sizes, times, 1)
         line_s = intercept + max(slope, 0.0)
         return float(min(times.min(), line_s)) if line_s > 0 else float(times.min())
 
     def measured_widths(self) -> int:
-        """How many width buckets hold at least one forward."""
-        return sum(1 for times in self._times if times)
+        """How many widths have at least one forward."""
+        return int(np.count_nonzero(~np.isnan(self._medians)))
 
     def cost(self, num_tokens: int) -> float:
-        curve = self.curve()
-        if num_tokens <= self.BUCKETS[-1]:
-            return float(np.interp(num_tokens, self.BUCKETS, curve))
-        slope = (curve[-1] - curve[-2]) / (self.BUCKETS[-1] - self.BUCKETS[-2])
-        return float(curve[-1] + slope * (num_tokens - self.BUCKETS[-1]))
+        return float(self.costs(np.array([num_tokens]))[0])
 
     def costs(self, num_tokens: np.ndarray) -> np.ndarray:
-        """``cost`` of each entry of ``num_tokens`` ([m] int), as [m] float64."""
+        """``cost`` of each entry of ``num_tokens`` ([m] int >= 1), as [m] float64; past ``MAX_WIDTH``, the
+        slope of the curve's last 16 widths."""
         num_tokens = np.asarray(num_tokens, np.float64)
         curve = self.curve()
-        slope = (curve[-1] - curve[-2]) / (self.BUCKETS[-1] - self.BUCKETS[-2])
-        inside = np.interp(num_tokens, self.BUCKETS, curve)
-        return np.where(num_tokens <= self.BUCKETS[-1], inside, curve[-1] + slope * (num_tokens - self.BUCKETS[-1]))
+        last = self.MAX_WIDTH
+        slope = (curve[-1] - curve[-17]) / 16.0
+        inside = np.interp(num_tokens, self._widths, curve)
+        return np.where(num_tokens <= last, inside, curve[-1] + slope * (num_tokens - last))
 
 
 class BatchCostModel:
