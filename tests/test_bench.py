@@ -398,7 +398,7 @@ def test_bench_end_to_end_then_replay(tmp_path, tiny_model, capsys):
     assert "Overall" in text
     env, probe = results["environment"], results["cost_curve"]
     assert "cpu_features" in env and "gpu" in env and "torch_cpu_capability" in env
-    assert probe["sizes"] == [1, 2, 4, 8, 16, 32, 64] and probe["ratios"][0] == 1.0 and probe["threads"] == 1
+    assert probe["sizes"] == [1, 2, 4, 8, 16, 17, 32, 33, 64] and probe["ratios"][0] == 1.0 and probe["threads"] == 1
     assert "Cost of a forward" in (out / "results.md").read_text() and "Cost of a forward" in text
 
     traces = [json.loads(line) for line in (out / "traces.jsonl").read_text().splitlines()]
