@@ -162,6 +162,23 @@ def test_cost_model_keeps_every_width_apart_and_the_sizer_stops_below_a_step():
     assert model.cost(20) == pytest.approx(1.2 + 0.4 * 7 / 27)
 
 
+def test_cost_model_pools_scattered_widths_in_their_group():
+    model = CostModel()
+    for _ in range(3):
+        model.add(1, 0.1)
+    for width in (13, 15, 14):  # one forward each: none is measured alone, their group 13-16 is
+        model.add(width, 0.12)
+    assert not model.measured(14)
+    assert model.cost(14) == pytest.approx(1.2)  # pinned at the group's median width
+    assert model.at_most(10) == pytest.approx(1.2)  # a measured bound
+    # a steep machine: once 8 is measured, 7 (its group) reads the line from 2 to 8 instead of the prior
+    steep = CostModel()
+    for _ in range(3):
+        steep.add(1, 0.1), steep.add(2, 0.3), steep.add(8, 0.9)
+    assert steep.cost(7) == pytest.approx(8.0) and steep.cost(5) == pytest.approx(3.0)
+    assert steep.cost(20) == pytest.approx(9.0 + 8.0 / 7 * 12)  # past the last width: the mean slope
+
+
 def test_cost_model_prior_until_measured_and_monotone():
     model = CostModel(prior_slope=0.05)
     model.add(8, 0.1)  # no 1-token forward yet: still the prior
