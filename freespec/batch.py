@@ -209,6 +209,14 @@ def _layers(cache):
 
 
 def _move_and_crop(cache, row_index: list[int], src: list[int], dst: list[int], new_length: int) -> None:
+    """Copy slot ``src[i]`` of row ``row_index[i]`` to its slot ``dst[i]`` (all at once), then crop to ``new_length``.
+
+    A pair whose slot does not move is skipped: the ``dst`` slots are distinct, so no other pair writes
+    it, and pairs read the slots as they were. A batch of one whose accepted nodes lead the draft (a chain
+    accepted from its first node, or nothing accepted) moves nothing and is only cropped.
+    """
+    moved = [(r, s, d) for r, s, d in zip(row_index, src, dst) if s != d]
+    row_index, src, dst = ([list(column) for column in zip(*moved)] if moved else ([], [], []))
     rows = torch.tensor(row_index, dtype=torch.long)
     src_slots, dst_slots = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
     for layer in _layers(cache):
