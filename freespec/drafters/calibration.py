@@ -36,17 +36,18 @@ class CostModel:
     through the measured medians, read at n=1, while width 1 has none). Widths are
     not pooled because matrix kernels work in tiles, so the true curve is a
     staircase whose steps lie where the machine puts them: measured on
-    qwen2.5-coder-0.5b in bfloat16 on an AMX CPU (200-token prefix), c(16) = 1.09 but
-    c(17) = 1.15, c(32) = 1.19 but c(33) = 1.38; in float32 (one thread) c(2) = 1.07,
-    c(3) = 1.13 but c(4) = 1.9. Pooled with 16, 17 would be priced as 16 and the sizer
-    would feed 17 tokens (one pending and 16 nodes) for one node's worth.
+    qwen2.5-coder-0.5b in bfloat16 on an AMX CPU (``freespec bench``'s probe, 512-token
+    prefix, one thread), c(16) = 1.16 but c(17) = 1.21, c(32) = 1.30 but c(33) = 1.44;
+    in float32 c(2) = 1.07, c(3) = 1.13 but c(4) = 1.9. Pooled in log2 buckets, 17 was
+    priced as 16 and 33 as 32, and the sizer fed a step's worth for one node. Widths
+    with too few forwards of their own pool in their group (``_known_points``).
 
     An unmeasured width reads the line between its measured neighbours (past the last,
-    the measured curve's mean slope from width 1); up to ``OPTIMISTIC_UP_TO`` tokens it is *optimistic* instead,
-    the lower of that line and the prior ``1 + prior_slope (n - 1)`` (never below its
-    lower neighbour) while no width of its group (``GROUPS``: 5-6, 7-8) is pinned, so
-    a drafter tries each small size a few times before the curve
-    says whether it pays: a cheap size between two dear ones (c(3) above) is found, not
+    the measured curve's mean slope from width 1); up to ``OPTIMISTIC_UP_TO`` tokens it
+    is *optimistic* instead, the lower of that line and the prior ``1 + prior_slope
+    (n - 1)`` (never below its lower neighbour) while no width of its group (``GROUPS``:
+    5-6, 7-8) is pinned, so a drafter tries each small size a few times before the
+    curve says whether it pays: a cheap size between two dear ones (c(3) above) is found, not
     interpolated away, while a wide size is never tried on faith (on a machine where
     c(2) is already 3, exploring 64 tokens would cost dozens of forwards). Between
     measured widths the line makes a width look as dear as its neighbours say, so the
@@ -74,6 +75,7 @@ class CostModel:
         self._widths = np.arange(1, self.MAX_WIDTH + 1, dtype=np.float64)
         self._curve: np.ndarray | None = None  # [MAX_WIDTH] c(1..MAX_WIDTH), cached until the next add()
         self._base_s: float | None = None  # the 1-token time the cached curve divides by
+        self._known_at = np.zeros(0, np.int64)  # indices of the widths the cached curve is pinned at
 
     def add(self, num_tokens_fed: int, forward_s: float) -> None:
         if num_tokens_fed < 1 or num_tokens_fed > self.MAX_WIDTH or not forward_s > 0 or math.isinf(forward_s):
