@@ -209,6 +209,28 @@ def test_calibration_learns_synthetic_outcomes():
     assert calibrator.probability(calibrator.kind("suffix", 20, 1, 1.0)) > 0.8
 
 
+def test_calibration_scales_a_sources_priors_by_its_judged_nodes():
+    """A source accepted at half its priors' rate scales down the priors of its kinds that have no counts yet."""
+    rng = np.random.default_rng(1)
+    for pool_strength, factor in ((16.0, (0.4, 0.65)), (float("inf"), (1.0, 1.0))):
+        calibrator = AcceptanceCalibrator(pool_strength=pool_strength)
+        common = calibrator.kind("suffix", 2, 1, 1.0)  # prior 0.5, accepted 25% of the time
+        rare, other = calibrator.kind("suffix", 8, 1, 1.0), calibrator.kind("corpus", 8, 1, 1.0)  # priors 0.8
+        recycled = ("recycle", 1, 1, 0, 0)  # a kind whose base prior is given
+        assert calibrator.probability(recycled, 0.6) == pytest.approx(0.6)
+        for _ in range(400):
+            calibrator.tick()
+            calibrator.update(common, rng.random() < 0.25)
+            calibrator.update(recycled, rng.random() < 0.9)
+        low, high = factor
+        assert low * 0.8 <= calibrator.probability(rare) <= high * 0.8 + 1e-9
+        assert calibrator.probability(other) == pytest.approx(0.8)  # another source keeps its prior
+        assert calibrator.scale("recycle") >= 1.0  # better than its given prior: scaled up (or fixed)
+        assert calibrator.probability(("recycle", 2, 1, 0, 0), 0.5) >= 0.5
+    with pytest.raises(ValueError, match="pool_strength"):
+        AcceptanceCalibrator(pool_strength=0)
+
+
 def test_choose_size():
     sizer = DraftSizer()  # prior cost c(n) = 1 + 0.03 (n - 1)
     chain = Draft.chain([5, 6, 7, 8])

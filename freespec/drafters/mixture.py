@@ -33,7 +33,8 @@ Each step, every node gets a *calibrated* path probability: the chance it is acc
 the product along its path of P(accepted | parent accepted) per kind of node, counted
 live by ``AcceptanceCalibrator`` (lookups: per source, effective match length and raw
 frequency, ``calibrate_lookup``; recycled nodes: per row type, depth, rank and agreement,
-``RecycleSource``). The trees are merged (``draft.merge``: shared paths become one node,
+``RecycleSource``; a kind without counts of its own starts from a prior scaled by what its
+source's judged nodes showed). The trees are merged (``draft.merge``: shared paths become one node,
 named by the most trusted source), and ``DraftSizer`` keeps the ``k`` best nodes that
 maximize ``(1 + sum of their path probabilities) / c(1 + k + m)``, where ``c`` is the
 forward time with ``n`` tokens fed over that with 1, measured live from ``on_forward``
