@@ -84,6 +84,13 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--require-identical", action="store_true",
                        help="exit 1 if a greedy output differs from vanilla in bfloat16/float16 too")
     bench.add_argument("--no-warmup", action="store_true", help="skip the warm-up generate() of each method")
+    bench.add_argument("--simulate", metavar="PATH|PAIRS",
+                       help="simulate another machine live: every target forward is charged c(k) x the one-token "
+                            "time of this cost curve (a bench results.json, e.g. an AMX CPU's or a GPU's, or k:c "
+                            "pairs) instead of its measured time; outputs, drafts and the time outside forwards are "
+                            "real, and freespec's cost model learns the simulated curve; batch size 1")
+    bench.add_argument("--one-token-ms", type=float, metavar="MS",
+                       help="with --simulate: time of a one-token forward (default: the results.json's, else 100)")
     bench.add_argument("--no-cost-probe", action="store_true",
                        help="skip measuring the cost curve c(k) before the prompts (~20 s on smollm2-135m)")
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -146,6 +153,7 @@ def demo_command(args) -> int:
 def bench_command(args, argv=None) -> int:
     omp_note = _set_omp_wait_policy()
     methods, categories, items = _bench_inputs(args)  # every argument is checked before the model loads
+    simulate = _simulated_curve(args)
 
     import torch
 
@@ -169,10 +177,17 @@ def bench_command(args, argv=None) -> int:
     print(f"{len(items)} items, {num_prompts} prompts, batch size {args.batch_size}, methods: "
           f"{', '.join(m.label for m in methods)}; {torch.get_num_threads()} threads", flush=True)
 
+    if simulate is not None:
+        print(f"simulating a machine: {simulate.describe()}", flush=True)
     run = run_bench(model, tokenizer, items, methods, max_new_tokens=args.max_new_tokens,
                     temperature=args.temperature, seed=args.seed, warmup=not args.no_warmup,
-                    save_traces=args.save_traces, progress=not args.no_progress, batch_size=args.batch_size)
+                    save_traces=args.save_traces, progress=not args.no_progress, batch_size=args.batch_size,
+                    simulate=simulate)
     results = _bench_results(args, argv, methods, categories, run, notes, cost_curve)
+    if simulate is not None:
+        results["simulated"] = {"sizes": list(simulate.sizes), "ratios": list(simulate.ratios),
+                                "one_token_ms": simulate.one_token_ms, "source": simulate.source,
+                                "description": simulate.describe()}
     return _write_bench_outputs(args, results, run)
 
 
@@ -186,6 +201,25 @@ def _probe_costs(model, batch_size: int = 1) -> dict:
     print("c(k): " + ", ".join(f"{k}:{ratio:.2f}" for k, ratio in zip(cost_curve["sizes"], cost_curve["ratios"]))
           + f" ({cost_curve['ms'][0]:.1f} ms at k=1; {cost_curve['seconds']:.1f} s)", flush=True)
     return cost_curve
+
+
+def _simulated_curve(args):
+    """The ``CostCurve`` of ``--simulate`` (scaled by ``--one-token-ms``), or None; checked before the model loads."""
+    import math
+
+    from .bench.cost import CostCurve
+
+    if args.one_token_ms is not None:
+        if args.simulate is None:
+            raise ValueError("--one-token-ms scales the simulated machine's cost curve: it needs --simulate")
+        if not (math.isfinite(args.one_token_ms) and args.one_token_ms > 0):
+            raise ValueError(f"--one-token-ms must be a positive number of milliseconds, got {args.one_token_ms}")
+    if args.simulate is None:
+        return None
+    if args.batch_size != 1:
+        raise ValueError(f"--simulate prices one row's forwards (a cost curve of a batch of one): it needs "
+                         f"--batch-size 1, got {args.batch_size}")
+    return CostCurve.load(args.simulate, "--simulate", args.one_token_ms)
 
 
 def _bench_inputs(args):

@@ -460,6 +460,55 @@ def test_bench_rejects_bad_arguments_before_loading(tmp_path, capsys, monkeypatc
     assert "unknown method" in capsys.readouterr().err
     assert main(base + ["--temperature", "0.7", "--save-traces"]) == 2
     assert main(["bench", "--model", "tiny", "--dataset", "builtin:nope", "--out", "x"]) == 2
+    assert main(base + ["--one-token-ms", "50"]) == 2
+    assert "--one-token-ms" in capsys.readouterr().err
+    assert main(base + ["--simulate", "1:1,4:1.1", "--batch-size", "2"]) == 2
+    assert "--batch-size 1" in capsys.readouterr().err
+    assert main(base + ["--simulate", "2:1.1"]) == 2
+    assert "--simulate" in capsys.readouterr().err
+
+
+def test_bench_simulates_a_machine_live(tmp_path, tiny_model, capsys, monkeypatch):
+    """--simulate charges every forward the curve's time (the prefill at the prompt's width), keeps the time outside
+    forwards as measured, and freespec's drafter sees the simulated time of every forward."""
+    from freespec.bench import runner
+    from freespec.bench.cost import CostCurve
+    from freespec.cli import main
+
+    seen = []  # (width, forward_s) of every report the timed drafter's own on_forward received
+    make_drafter = runner.make_drafter
+
+    def spied(method):
+        drafter = make_drafter(method)
+        own = drafter.on_forward
+        drafter.on_forward = lambda report: (seen.append((report.width, report.forward_s)), own(report))
+        return drafter
+
+    monkeypatch.setattr(runner, "make_drafter", spied)
+    curve = "1:1,2:1.5,8:2,64:2"
+    out = tmp_path / "sim"
+    method = "freespec:mixture{flat_max_cost=100}"
+    code = main(["bench", "--model", "tiny", "--dataset", str(_dataset(tmp_path)), "--methods",
+                 f"vanilla,hf-pld:4,{method}", "--max-new-tokens", "10", "--threads", "1", "--no-progress",
+                 "--no-plots", "--no-cost-probe", "--simulate", curve, "--one-token-ms", "200", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    results = json.loads((out / "results.json").read_text())
+    expected = CostCurve.parse(curve, one_token_ms=200)
+    assert results["simulated"]["one_token_ms"] == 200 and results["simulated"]["ratios"] == [1.0, 1.5, 2.0, 2.0]
+    for prompt in results["prompts"]:
+        vanilla = prompt["methods"]["vanilla"]  # a prefill, then one token per forward
+        assert vanilla["simulated_forward_s"] == pytest.approx(
+            expected.forward_ms(prompt["prompt_tokens"]) / 1000 + 0.2 * (vanilla["forwards"] - 1))
+        for record in prompt["methods"].values():
+            outside = record["measured_wall_s"] - record["measured_forward_s"]
+            assert 0 < outside < record["measured_wall_s"]
+            assert record["wall_s"] == pytest.approx(outside + record["simulated_forward_s"])
+            assert record["tokens_per_s"] == pytest.approx(record["new_tokens"] / record["wall_s"])
+            assert record["simulated_forward_s"] >= 0.2 * record["forwards"]
+    assert seen and all(s == pytest.approx(expected.forward_ms(w) / 1000) for w, s in seen)
+    assert any(w > 1 for w, _ in seen[1:])  # the mixture drafted, at the simulated curve's price
+    assert "SIMULATED machine" in text and "SIMULATED machine" in (out / "results.md").read_text()
 
 
 def test_left_pad_and_row_output():

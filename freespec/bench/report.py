@@ -287,9 +287,22 @@ def warnings_of(results: dict) -> list[str]:
     return lines
 
 
+def simulated_note(results: dict) -> str | None:
+    """What a run with ``--simulate`` measured and what it simulated (None for a run without)."""
+    simulated = results.get("simulated")
+    if not simulated:
+        return None
+    return (f"SIMULATED machine: every target forward (prefill included) is charged c(k) x "
+            f"{simulated['one_token_ms']:.1f} ms of the cost curve {simulated['description']}; outputs, drafts and "
+            f"the time outside forwards are real (measured on this machine), and freespec's cost model learned "
+            f"the simulated curve. tok/s, wall s, CPU s and speedups are simulated (measured ones: measured_wall_s, "
+            f"measured_cpu_s per prompt in results.json); draft % is a share of the measured time.")
+
+
 def console_report(results: dict) -> str:
     summary = results["summary"]
-    parts = ["Overall (speedups: median of per-prompt ratios / ratio of totals)",
+    parts = ([simulated_note(results), ""] if results.get("simulated") else []) + [
+             "Overall (speedups: median of per-prompt ratios / ratio of totals)",
              text_table(*overall_rows(summary)), "",
              "Speedup over vanilla by category (median of per-prompt ratios)"
              if summary["vanilla"] else "tau by category",
@@ -320,6 +333,7 @@ def markdown_report(results: dict) -> str:
         "",
         machine_line(env),
         "",
+        *([f"**{simulated_note(results)}**", ""] if results.get("simulated") else []),
         "Speedups: median of per-prompt ratios / ratio of totals. tau: new tokens per target forward "
         "(prefill included).",
         "",

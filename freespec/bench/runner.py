@@ -41,16 +41,29 @@ WARMUP_MESSAGE = "Count from one to twenty in words, separated by commas."
 
 
 class ForwardCounter:
-    """Counts calls of ``model.forward``, the rows each fed, and tokens per row fed after the first (prefill) call."""
+    """Counts calls of ``model.forward``, the rows each fed, and tokens per row fed after the first (prefill) call;
+    times each call (wall and CPU seconds) and, with a ``CostCurve`` (``simulate``), charges it the curve's time.
 
-    def __init__(self, model):
-        self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+    Simulation: a forward feeding ``k`` tokens is charged ``curve.forward_ms(k)`` (the prefill too, at the prompt's
+    width); ``last_simulated_s`` is the charge of the latest forward, which a drafter's ``on_forward`` sees in place
+    of the measured time (``simulated_on_forward``), so its cost model sizes trees for the simulated machine.
+    """
+
+    def __init__(self, model, simulate=None):
+        self.simulate = simulate
+        self.handles = [model.register_forward_pre_hook(self._hook, with_kwargs=True),
+                        model.register_forward_hook(self._done)]
+        self._started = (0.0, 0.0)
+        self.last_simulated_s = 0.0
         self.reset()
 
     def reset(self) -> None:
         self.forwards = 0
         self.row_forwards = 0  # rows fed, summed over forwards
         self.tokens_fed = 0  # tokens per row (the forward's width) fed by forwards after the prefill
+        self.forward_s = 0.0  # wall seconds inside forwards
+        self.forward_cpu_s = 0.0  # CPU seconds inside forwards
+        self.simulated_s = 0.0  # the curve's seconds for the same forwards (simulate only)
 
     def _hook(self, module, args, kwargs):
         ids = kwargs.get("input_ids")
@@ -65,9 +78,39 @@ class ForwardCounter:
         self.row_forwards += num_rows
         if self.forwards > 1:
             self.tokens_fed += num_tokens
+        if self.simulate is not None:
+            if num_rows != 1:
+                raise ValueError(f"a simulated machine charges one row's forwards (its cost curve is a batch of "
+                                 f"one's); this forward fed {num_rows} rows")
+            self.last_simulated_s = self.simulate.forward_ms(max(1, num_tokens)) / 1000.0
+            self.simulated_s += self.last_simulated_s
+        self._started = (time.perf_counter(), time.process_time())
+
+    def _done(self, module, args, output):
+        wall, cpu = self._started
+        self.forward_s += time.perf_counter() - wall
+        self.forward_cpu_s += time.process_time() - cpu
 
     def close(self) -> None:
-        self.handle.remove()
+        for handle in self.handles:
+            handle.remove()
+
+
+def simulated_on_forward(drafter, counter: ForwardCounter) -> None:
+    """Make ``drafter`` see each forward's simulated time (``counter.last_simulated_s``) in its ``on_forward``.
+
+    The engine reports a forward's measured seconds right after the model call returns;
+    under simulation the drafter's cost model must learn the simulated machine's curve,
+    not this machine's, or it sizes trees for the wrong machine. Only the bench does this.
+    """
+    import dataclasses
+
+    measured = drafter.on_forward
+
+    def on_forward(report):
+        measured(dataclasses.replace(report, forward_s=counter.last_simulated_s))
+
+    drafter.on_forward = on_forward
 
 
 @dataclass
@@ -184,6 +227,11 @@ def run_method(runner: MethodRunner, model, counter: ForwardCounter, input_ids, 
         t0, c0 = time.perf_counter(), time.process_time()
         out, stats = runner.generate(model, input_ids, gen_kwargs)
         wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    measured = {"measured_wall_s": wall_s, "measured_cpu_s": cpu_s, "measured_forward_s": counter.forward_s,
+                "simulated_forward_s": counter.simulated_s}
+    if counter.simulate is not None:  # the forwards at the curve's price, everything else as measured
+        wall_s += counter.simulated_s - counter.forward_s
+        cpu_s += counter.simulated_s - counter.forward_cpu_s
     rows = out[:, input_ids.shape[1]:].tolist()
     outputs = [row_output(row, eos_ids) for row in rows]
     filler = {gen_kwargs.get("pad_token_id"), *eos_ids}
@@ -201,6 +249,8 @@ def run_method(runner: MethodRunner, model, counter: ForwardCounter, input_ids, 
         "row_new_tokens": row_tokens, "rows_past_eos": past_eos,
         "engine": _stats_record(stats),
     }
+    if counter.simulate is not None:
+        record.update(measured)
     return outputs, record, stats
 
 
@@ -244,17 +294,23 @@ def compare_outputs(outputs: dict[str, list[int]], reference: str) -> list[dict]
 # ------------------------------------------------------------------------------ the run
 def run_bench(model, tokenizer, items: Sequence[Item], methods: Sequence[MethodSpec], *,
               max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0, warmup: bool = True,
-              save_traces: bool = False, progress: bool = True, batch_size: int = 1,
+              save_traces: bool = False, progress: bool = True, batch_size: int = 1, simulate=None,
               log: Callable[[str], None] = print) -> BenchRun:
-    """Run every method on every prompt of ``items``, ``batch_size`` prompts at a time; see the module docstring."""
+    """Run every method on every prompt of ``items``, ``batch_size`` prompts at a time; see the module docstring.
+
+    ``simulate``: a ``CostCurve``; every target forward is then charged the curve's time instead
+    of its measured time, and freespec's drafters see that time (see ``ForwardCounter``).
+    """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if simulate is not None and batch_size != 1:
+        raise ValueError(f"simulate: a cost curve prices one row's forwards; it needs batch_size 1, got {batch_size}")
     run = BenchRun(greedy=temperature <= 0, batch_size=batch_size)
     runners = _build_runners(methods, run, log)
     if any(r.method.use_prediction for r in runners) and not any(item.predictions for item in items):
         run.notes.append("a method asks for prediction=true but no item carries a prediction: it ran without one")
     gen_kwargs = _generation_kwargs(tokenizer, max_new_tokens, temperature, seed, run)
-    loop = _Loop(model, tokenizer, runners, run, gen_kwargs, seed, save_traces, log)
+    loop = _Loop(model, tokenizer, runners, run, gen_kwargs, seed, save_traces, log, simulate)
     try:
         if warmup:
             loop.warm_up()
@@ -320,10 +376,14 @@ class _Loop:
     """The state ``run_bench`` carries from batch to batch: the hook, the record index, the progress bar."""
 
     def __init__(self, model, tokenizer, runners, run: BenchRun, gen_kwargs: dict, seed: int, save_traces: bool,
-                 log):
+                 log, simulate=None):
         self.model, self.tokenizer, self.runners, self.run = model, tokenizer, runners, run
         self.gen_kwargs, self.seed, self.save_traces, self.log = gen_kwargs, seed, save_traces, log
-        self.counter = ForwardCounter(model)
+        self.counter = ForwardCounter(model, simulate)
+        if simulate is not None:
+            for runner in runners:
+                if runner.drafter is not None:
+                    simulated_on_forward(runner.drafter, self.counter)
         self.eos_ids = _eos_ids(model, gen_kwargs)
         self.prompt_index = 0
         self.total_prompts = 0
@@ -339,8 +399,11 @@ class _Loop:
         warm_kwargs = dict(self.gen_kwargs, max_new_tokens=min(16, self.gen_kwargs["max_new_tokens"]),
                            attention_mask=attention_mask)
         for runner in self.runners:
+            warm = runner.warmup_copy()
+            if self.counter.simulate is not None and warm.drafter is not None:
+                simulated_on_forward(warm.drafter, self.counter)
             with torch.inference_mode():
-                runner.warmup_copy().generate(self.model, input_ids, warm_kwargs)
+                warm.generate(self.model, input_ids, warm_kwargs)
 
     def run_batch(self, entries: Sequence[tuple[Item, int, Sequence[str]]]) -> list[str]:
         """Every method on one batch of prompts (item, turn, earlier answers), in ABAB / BABA order across
