@@ -125,7 +125,8 @@ def naive_bfs(parents) -> list[int]:
 
 # =====================================================================================
 # freespec.kernels.successor_table
-# Tables are dicts: "model" token -> list, "text" token -> list, "pair" slot -> ((prev, token), list).
+# Tables are dicts: "model" token -> list, "model_conf" token -> list of confidence classes, "text" token -> list,
+# "pair" slot -> ((prev, token), list, list of confidence classes).
 # =====================================================================================
 
 EXACT_ROW, PAIR_ROW, TEXT_ROW, MODEL_ROW = 0, 1, 2, 3
@@ -136,12 +137,21 @@ def naive_pair_slot(prev, token, num_slots) -> int:
     return ((prev * 0x9E3779B1 + token * 0x85EBCA77) & 0x7FFFFFFF) & (num_slots - 1)
 
 
-def naive_write_rows(tables, tokens, prevs, topk, order, k, num_slots) -> None:
-    """Twin of ``write_rows_kernel``: model row and pair row := the first ``k`` of ``topk[i]``, for ``i`` in ``order``."""
+def naive_confidence_class(prob) -> int:
+    """Twin of ``confidence_classes`` for one probability: how many of the edges it reaches."""
+    return sum(prob >= edge for edge in (0.03, 0.08, 0.15, 0.25, 0.4, 0.6, 0.85))
+
+
+def naive_write_rows(tables, tokens, prevs, topk, order, k, num_slots, probs=None) -> None:
+    """Twin of ``write_rows_kernel``: model row and pair row := the first ``k`` of ``topk[i]``, for ``i`` in ``order``,
+    with each entry's confidence class (-1 without ``probs``)."""
     for i in order:
+        conf = [naive_confidence_class(q) for q in probs[i][:k]] if probs is not None else [-1] * len(topk[i][:k])
         tables["model"][tokens[i]] = list(topk[i][:k])
+        tables["model_conf"][tokens[i]] = conf
         if prevs[i] >= 0:
-            tables["pair"][naive_pair_slot(prevs[i], tokens[i], num_slots)] = ((prevs[i], tokens[i]), list(topk[i][:k]))
+            tables["pair"][naive_pair_slot(prevs[i], tokens[i], num_slots)] = ((prevs[i], tokens[i]),
+                                                                                list(topk[i][:k]), conf)
 
 
 def naive_seed_text(tables, text, begin, kt) -> None:
@@ -152,34 +162,42 @@ def naive_seed_text(tables, text, begin, kt) -> None:
         tables["text"][token] = ([follower] + [s for s in row if s != follower])[:kt]
 
 
-def naive_rows(tables, token, prev, exact_root, num_slots) -> list[list[int]]:
-    """The four rows of ``token`` after ``prev``, in the order EXACT, PAIR, TEXT, MODEL (``[]`` if absent)."""
+def naive_rows(tables, token, prev, exact_root, num_slots) -> list[tuple[list[int], list[int]]]:
+    """The four rows of ``token`` after ``prev`` as (entries, confidence classes), in the order EXACT, PAIR, TEXT,
+    MODEL (``[]`` if absent; EXACT and TEXT rows are read by rank: no classes)."""
     model = tables["model"].get(token, [])
+    model_conf = tables["model_conf"].get(token, [])
     slot = tables["pair"].get(naive_pair_slot(prev, token, num_slots)) if prev >= 0 else None
-    pair = slot[1] if slot is not None and slot[0] == (prev, token) else []
-    return [model if exact_root else [], pair, tables["text"].get(token, []), [] if exact_root else model]
+    pair, pair_conf = (slot[1], slot[2]) if slot is not None and slot[0] == (prev, token) else ([], [])
+    return [(model if exact_root else [], []), (pair, pair_conf), (tables["text"].get(token, []), []),
+            ([], []) if exact_root else (model, model_conf)]
 
 
-def naive_grow_tree(tables, root, root_prev, exact_root, probs, max_nodes, max_depth, min_prob, num_slots):
+def naive_grow_tree(tables, root, root_prev, exact_root, probs, max_nodes, max_depth, min_prob, num_slots,
+                    num_ranks=None):
     """Twin of ``grow_tree_kernel``, a heap of (path probability, push order): (token_ids, parents, probs, kinds)."""
     import heapq
 
     heap, pushed = [], 0
+    num_classes = len(probs[0][0])
+    num_ranks = num_classes if num_ranks is None else num_ranks
 
     def push(node, token, prev, exact, prob, depth):
         nonlocal pushed
         rows = naive_rows(tables, token, prev, exact, num_slots)
-        firsts = [row[0] for row in rows if row]
+        firsts = [row[0] for row, _ in rows if row]
         seen = set()
-        for row_type, row in enumerate(rows):
-            for rank, child in enumerate(row[: len(probs[0][0])]):
+        for row_type, (row, conf) in enumerate(rows):
+            for rank, child in enumerate(row[:num_ranks]):
                 if child in seen:
                     continue
                 seen.add(child)
                 agree = int(firsts.count(child) >= 2)
-                conditional = probs[row_type][min(depth + 1, len(probs[0])) - 1][rank][agree]
+                known = rank < len(conf) and conf[rank] >= 0 and num_ranks + conf[rank] < num_classes
+                cls = num_ranks + conf[rank] if known else rank
+                conditional = probs[row_type][min(depth + 1, len(probs[0])) - 1][cls][agree]
                 heapq.heappush(heap, (-(prob * conditional), pushed, node, child, token, (row_type, depth + 1,
-                                                                                          rank, agree)))
+                                                                                          cls, agree)))
                 pushed += 1
 
     push(-1, root, root_prev, exact_root, 1.0, 0)
@@ -219,3 +237,22 @@ def naive_pool_insert(pool, max_keys, guesses, key, gram) -> None:
 def naive_top_k_ids(rows, k) -> list[list[int]]:
     """Each row's ``k`` largest entries' columns, largest first: ``[[1, 9, 5]], 2 -> [[1, 2]]``."""
     return [sorted(range(len(row)), key=lambda c: -row[c])[:k] for row in rows]
+
+
+def naive_top_k_probs(rows, k, chunk) -> list[list[float]]:
+    """Twin of ``top_k``'s probabilities: a softmax over the columns of the ``k`` chunks with the largest maxima
+    and the columns past the last whole chunk (the whole row when it has at most ``k`` chunks), read at the
+    row's ``k`` largest entries."""
+    import math
+
+    out = []
+    for row in rows:
+        num_chunks = len(row) // chunk
+        columns = list(range(len(row)))
+        if num_chunks > k:
+            best = sorted(range(num_chunks), key=lambda j: -max(row[j * chunk:(j + 1) * chunk]))[:k]
+            columns = [j * chunk + c for j in best for c in range(chunk)] + list(range(num_chunks * chunk, len(row)))
+        top = max(row[c] for c in columns)
+        total = sum(math.exp(row[c] - top) for c in columns)
+        out.append([math.exp(row[c] - top) / total for c in naive_top_k_ids([row], k)[0]])
+    return out

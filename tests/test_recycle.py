@@ -16,7 +16,7 @@ from freespec.drafters import make
 from freespec.drafters.base import ForwardReport, VerifyOutput
 from freespec.drafters.calibration import AcceptanceCalibrator
 from freespec.drafters.recycle import RecycleDrafter, RecycleSource, SuccessorTable, recycle_prior
-from freespec.kernels.successor_table import EXACT, MODEL, PAIR, TEXT
+from freespec.kernels.successor_table import EXACT, MODEL, PAIR, TEXT, confidence_classes
 
 import naive
 from conftest import (check_drafter_options, patched_generate, plain_generate,
@@ -37,6 +37,25 @@ def test_top_k_ids_matches_its_twin(num_rows, vocab, k, chunk, seed):
     assert got == naive.naive_top_k_ids(scores.tolist(), k)
 
 
+@FAST
+@given(st.integers(1, 4), st.integers(1, 600), st.integers(1, 12), st.sampled_from([1, 4, 16, 128]), st.integers(0, 2**16))
+def test_top_k_probabilities_match_their_twin(num_rows, vocab, k, chunk, seed):
+    """The probabilities observe() receives: a softmax over the chunks the top-k came from (an upper bound of the
+    row's softmax, equal when the row has at most k chunks)."""
+    from freespec.engine import top_k
+
+    scores = torch.from_numpy(np.random.default_rng(seed).permutation(num_rows * vocab).reshape(num_rows, vocab))
+    scores = scores.to(torch.float64) / 50.0  # distinct, a spread that leaves mass outside the top chunks
+    ids, probs = top_k(scores, k, chunk=chunk)
+    expect = naive.naive_top_k_probs(scores.tolist(), k, chunk)
+    assert [p for row in probs.tolist() for p in row] == pytest.approx([p for row in expect for p in row], rel=1e-9,
+                                                                       abs=1e-12)
+    exact = torch.softmax(scores, dim=-1).gather(1, ids)
+    assert bool((probs >= exact * (1 - 1e-9)).all())
+    if vocab // chunk <= k:
+        assert torch.allclose(probs, exact)
+
+
 def test_top_k_ids_on_real_vocabulary_sizes():
     from freespec.engine import top_k_ids
 
@@ -50,10 +69,12 @@ SLOTS = 8  # pair slots in the kernel tests: collisions happen, and the twin mus
 
 def _as_dicts(table: SuccessorTable) -> dict:
     model = {t: table.row(t, MODEL) for t in range(table.num_rows) if table.row(t, MODEL)}
+    model_conf = {t: table.confidences(t, MODEL) for t in model}
     text = {t: table.row(t, TEXT) for t in range(table.num_rows) if table.row(t, TEXT)}
-    pair = {slot: ((int(key) >> 32, int(key) & 0xFFFFFFFF), table.pair[slot][table.pair[slot] >= 0].tolist())
+    pair = {slot: ((int(key) >> 32, int(key) & 0xFFFFFFFF), table.pair[slot][table.pair[slot] >= 0].tolist(),
+                   table.pair_conf[slot][table.pair[slot] >= 0].tolist())
             for slot, key in enumerate(table.pair_keys.tolist()) if key >= 0}
-    return {"model": model, "text": text, "pair": pair}
+    return {"model": model, "model_conf": model_conf, "text": text, "pair": pair}
 
 
 @st.composite
@@ -72,22 +93,26 @@ def table_ops(draw, max_token=12, k=3):
             topk = [draw(st.lists(st.integers(0, max_token), min_size=width, max_size=width, unique=True))
                     for _ in range(m)]
             order = draw(st.permutations(range(m)))[: draw(st.integers(0, m))]
-            ops.append(("write", tokens, prevs, topk, order))
+            probs = None
+            if draw(st.booleans()):  # with the target's probabilities (confidence classes), or without
+                probs = [draw(st.lists(st.floats(0.0, 1.0), min_size=width, max_size=width)) for _ in range(m)]
+            ops.append(("write", tokens, prevs, topk, order, probs))
     return ops
 
 
 def _apply(ops, k, kt=2):
-    table, twin = SuccessorTable(top_k=k, text_k=kt, pair_slots=SLOTS), {"model": {}, "text": {}, "pair": {}}
+    table = SuccessorTable(top_k=k, text_k=kt, pair_slots=SLOTS)
+    twin = {"model": {}, "model_conf": {}, "text": {}, "pair": {}}
     for op in ops:
         if op[0] == "seed":
             table.seed(np.array(op[1], np.int64), op[2])
             naive.naive_seed_text(twin, op[1], op[2], kt)
         else:
-            _, tokens, prevs, topk, order = op
+            _, tokens, prevs, topk, order, probs = op
             width = len(topk[0])
             table.write(np.array(tokens), np.array(prevs), np.array(topk).reshape(len(tokens), width),
-                        np.array(order, np.int64))
-            naive.naive_write_rows(twin, tokens, prevs, topk, order, k, SLOTS)
+                        np.array(order, np.int64), None if probs is None else np.array(probs).reshape(-1, width))
+            naive.naive_write_rows(twin, tokens, prevs, topk, order, k, SLOTS, probs)
     return table, twin
 
 
@@ -101,15 +126,16 @@ def test_kernel_table_updates_match_twin(ops):
 
 @FAST
 @given(table_ops(), st.integers(0, 12), st.integers(-1, 12), st.booleans(), st.integers(0, 12), st.integers(1, 6),
-       st.floats(0.0, 0.2), st.lists(st.floats(0.05, 1.0), min_size=48, max_size=48))
+       st.floats(0.0, 0.2), st.lists(st.floats(0.05, 1.0), min_size=176, max_size=176), st.integers(0, 8))
 def test_kernel_grow_tree_matches_twin(ops, root, root_prev, exact_root, max_nodes, max_depth, min_prob,
-                                       flat_probs):
+                                       flat_probs, num_conf):
     table, twin = _apply(ops, k=3)
-    probs = np.array(flat_probs).reshape(4, 2, 3, 2)  # 4 row types x 2 depth kinds x 3 ranks x agree
+    # 4 row types x 2 depth kinds x (3 ranks + num_conf confidence classes, some classes past the last) x agree
+    probs = np.array(flat_probs[: 16 * (3 + num_conf)]).reshape(4, 2, 3 + num_conf, 2)
     token_ids, parents, path_probs, kinds = table.grow(root, root_prev, exact_root, probs, max_nodes, max_depth,
-                                                       min_prob)
+                                                       min_prob, num_ranks=3)
     expect = naive.naive_grow_tree(twin, root, root_prev, exact_root, probs.tolist(), max_nodes, max_depth,
-                                   min_prob, SLOTS)
+                                   min_prob, SLOTS, num_ranks=3)
     assert token_ids.tolist() == expect[0] and parents.tolist() == expect[1]
     assert path_probs.tolist() == pytest.approx(expect[2], rel=1e-12)
     assert [tuple(k) for k in kinds.tolist()] == expect[3]
@@ -119,6 +145,25 @@ def test_kernel_grow_tree_matches_twin(ops, root, root_prev, exact_root, max_nod
 
 def test_kernels_without_jit():
     rerun_kernel_tests_without_jit(__file__)
+
+
+def test_confidence_classes_reach_the_tree_kinds():
+    """The target's probability of each entry is kept as a confidence class; a node's kind carries
+    ``num_ranks + class`` (per rank with ``confidence=False``), and its prior follows the class."""
+    for confidence, expect in ((True, [2 + 7, 2 + 1]), (False, [0, 1])):
+        drafter = RecycleDrafter(top_k=2, shared=False, adaptive=False, confidence=confidence)
+        drafter.start("r", [5, 6])
+        topk, probs = np.array([[7, 8]]), np.array([[0.9, 0.05]], np.float32)
+        drafter.observe("r", VerifyOutput(Draft.empty(), np.zeros(0, np.int64), topk, probs))
+        table = drafter.recycle.table_for("r")
+        assert table.row(6) == [7, 8] and table.row(6, PAIR, prev=5) == [7, 8]
+        assert table.confidences(6) == ([7, 1] if confidence else [-1, -1])
+        draft, kinds = drafter.recycle.draft("r", drafter.context("r"), Budget(4, 1), drafter.sizer.calibrator)
+        assert draft.token_ids.tolist() == [7, 8]
+        assert [kind[1] for kind in kinds] == [PAIR, PAIR] and [kind[3] for kind in kinds] == expect
+    assert recycle_prior(MODEL, 1, 8 + 7, 0) == pytest.approx(0.05 + 0.45 * 0.925)
+    assert recycle_prior(PAIR, 1, 8 + 7, 0) > recycle_prior(PAIR, 1, 8 + 2, 0) > recycle_prior(PAIR, 1, 8 + 0, 0)
+    assert confidence_classes(np.array([0.01, 0.03, 0.5, 0.9])).tolist() == [0, 1, 5, 7]
 
 
 def test_worked_examples():
@@ -152,24 +197,24 @@ def test_worked_examples():
        st.integers(1, 8), st.integers(1, 4))
 def test_memory_is_bounded_by_the_largest_token(texts, k, kt):
     table, largest = SuccessorTable(top_k=k, text_k=kt, pair_slots=64), 0
-    pairs_bytes = 64 * (8 + 4 * k)
+    pairs_bytes = 64 * (8 + 5 * k)  # key, entries, confidence classes
     for text in texts:
         table.seed(np.array(text))
         rows = np.array(text[:3], np.int64)
         table.write(rows, rows[::-1], np.tile(np.array(text[:1] * k), (rows.shape[0], 1)), np.arange(rows.shape[0]))
         largest = max(largest, max(text))
-        assert table.nbytes <= max(1024, 2 * (largest + 1)) * 4 * (k + kt) + pairs_bytes
+        assert table.nbytes <= max(1024, 2 * (largest + 1)) * (5 * k + 4 * kt) + pairs_bytes
     fixed = SuccessorTable(top_k=k, text_k=kt, vocab_size=largest + 1, pair_slots=64)
     for text in texts:
         fixed.seed(np.array(text))
-    assert fixed.nbytes == (largest + 1) * 4 * (k + kt) + pairs_bytes
+    assert fixed.nbytes == (largest + 1) * (5 * k + 4 * kt) + pairs_bytes
     with pytest.raises(ValueError, match="vocab_size"):
         fixed.seed(np.array([largest + 1, 0]))
 
 
 def test_qwen_sized_table_is_a_few_megabytes():
     table = SuccessorTable(top_k=8, vocab_size=151_936)
-    assert table.nbytes == 151_936 * 40 + (1 << 16) * 40 and table.nbytes < 8.8e6
+    assert table.nbytes == 151_936 * 48 + (1 << 16) * 48 and table.nbytes < 10.5e6
     lazy = SuccessorTable(top_k=8)
     lazy.seed(np.array([151_935, 3]))
     assert lazy.num_rows == 262_144  # doubled from 1024 to cover the largest id seen

@@ -100,11 +100,15 @@ class VerifyOutput:
     ``accepted_nodes``: [a] int64, indices into the draft along the accepted path.
     ``topk_token_ids``: [num_nodes + 1, k] int64, the target's top-k tokens at
     the root (row 0) and at each node (row i + 1), from the processed scores.
+    ``topk_probs``: [num_nodes + 1, k] float32, the target's probability of each of
+    those tokens (the engine's: softmax over the k likeliest 128-token chunks of the
+    vocabulary, ``engine.top_k``), or None where the caller has none.
     """
 
     draft: Draft
     accepted_nodes: np.ndarray
     topk_token_ids: np.ndarray
+    topk_probs: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ model handle can be patched. It excludes ``lookahead``, which fills the same gap
 
 State across requests: the cost model and the calibration counts are numbers about the
 model and the machine, shared. The successor table is shared across requests by default
-(``recycle_shared``; about 9 MB for a 152k vocabulary): a token's successors learned in
+(``recycle_shared``; about 10 MB for a 152k vocabulary): a token's successors learned in
 one request draft in another. It never changes any output (verification decides every
 token), only draft sizes and so timing; ``recycle_shared=False`` keeps one table per
 request, for multi-tenant deployments. No other token crosses requests unless a request
@@ -101,6 +101,8 @@ class MixtureDrafter(Drafter):
         ngram_shared: one table for all requests.
     recycle: token recycling (``RecycleSource``) while no lookup source matches
         ``recycle_below`` tokens or more (0: always); recycle_top_k: successors per token;
+        recycle_confidence: calibrate recycled nodes per confidence class of the target's probability
+        (``RecycleSource``'s ``confidence``; False: per rank);
         recycle_shared: one successor table for all requests (False: one per request).
     lookahead: a Jacobi window and n-gram pool (``LookaheadSource``); None (the default): on
         unless ``early_exit``; lookahead_window / lookahead_ngram / lookahead_guesses: its W, N, G.
@@ -121,6 +123,7 @@ class MixtureDrafter(Drafter):
                  history: RequestHistory | None = None, documents: DocumentIndex | None = None,
                  ngram: bool = False, ngram_below: int = 3, ngram_shared: bool = False,
                  recycle: bool = True, recycle_below: int = 0, recycle_top_k: int = 8, recycle_shared: bool = True,
+                 recycle_confidence: bool = True,
                  lookahead: bool | None = None, lookahead_window: int = 5, lookahead_ngram: int = 4,
                  lookahead_guesses: int = 5, flat_max_cost: float = 1.5, prior_cost_slope: float = 0.03,
                  early_exit: bool = False):
@@ -135,7 +138,8 @@ class MixtureDrafter(Drafter):
         self.recycle_below = check_int("recycle_below", recycle_below, 0)
         self.flat_max_cost = check_number("flat_max_cost", flat_max_cost, 1.0)
         recycle_options = (check_int("recycle_top_k", recycle_top_k, 1), check_bool("recycle_shared", recycle_shared))
-        self.recycle = RecycleSource(*recycle_options) if check_bool("recycle", recycle) else None
+        confidence = check_bool("recycle_confidence", recycle_confidence)
+        self.recycle = RecycleSource(*recycle_options, confidence=confidence) if check_bool("recycle", recycle) else None
         lookahead_options = (check_int("lookahead_window", lookahead_window, 1),
                              check_int("lookahead_ngram", lookahead_ngram, 2),
                              check_int("lookahead_guesses", lookahead_guesses, 1))

@@ -20,10 +20,13 @@ nodes first, then the root and the accepted path, then the children of the
 last accepted node, so predictions made in the truest context win; when the
 target's bonus token was one of those children (a drafted sibling), its row
 holds the target's top-k in the true context, and the next step reads it as
-*exact*. Memory is bounded: ``rows x 4 (k + text_k)`` bytes, rows grown
-lazily to the largest token id seen (``vocab_size`` fixes it), plus the pair
-hash; 8.7 MB for Qwen's 151,936 tokens at the defaults (k = 8, text_k = 2,
-65,536 pair slots).
+*exact*. Each model and pair entry keeps the target's probability of it when
+it was written, as a confidence class: rank alone mixes a 0.95 successor with
+a 0.3 one, and the calibrated acceptance of a recycled node is counted per
+class (``kernels/successor_table.py`` has the measurement). Memory is bounded:
+``rows x (5 k + 4 text_k)`` bytes, rows grown lazily to the largest token id
+seen (``vocab_size`` fixes it), plus the pair hash; 10.4 MB for Qwen's 151,936
+tokens at the defaults (k = 8, text_k = 2, 65,536 pair slots).
 
 ``RecycleSource`` is the component drafters compose: the tables (one set
 shared by every request, or one per request) and the draft tree. The tree is
@@ -58,8 +61,9 @@ from typing import Hashable
 import numpy as np
 
 from ..draft import Budget, Draft
-from ..kernels.successor_table import (EXACT, MODEL, NUM_ROW_TYPES, PAIR, TEXT, grow_tree_kernel, pair_key,
-                                       pair_slot, seed_text_kernel, write_rows_kernel)
+from ..kernels.successor_table import (CONF_EDGES, EXACT, MODEL, NUM_CONF, NUM_ROW_TYPES, PAIR, TEXT,
+                                       confidence_classes, grow_tree_kernel, pair_key, pair_slot, seed_text_kernel,
+                                       write_rows_kernel)
 from .base import MAX_TOKEN_ROWS, Drafter, ForwardReport, VerifyOutput, exercise
 from .calibration import AcceptanceCalibrator, DraftSizer
 from .options import check_bool, check_int, check_number
@@ -76,9 +80,11 @@ class SuccessorTable:
     top_k: entries of a model or pair row (the target's top-k). text_k: entries of a text
     row. vocab_size: rows of the per-token tables (None: grown lazily to cover the largest
     token seen, doubling from 1024). pair_slots: slots of the pair hash (a power of two).
-    ``nbytes`` = rows (4 top_k + 4 text_k) + pair_slots (8 + 4 top_k), rows <= min(max(1024,
-    2 (largest id + 1)), ``MAX_TOKEN_ROWS``); Qwen's 151,936 tokens at the defaults: 6.1 MB + 2.6 MB,
-    at most 10.5 MB + 2.6 MB. A token id >= ``vocab_size`` raises ``ValueError``; without
+    Model and pair rows keep each entry's confidence class beside it (``model_conf``, ``pair_conf``:
+    the target's probability of the entry when it was written, bucketed; -1 where ``write`` got none).
+    ``nbytes`` = rows (5 top_k + 4 text_k) + pair_slots (8 + 5 top_k), rows <= min(max(1024,
+    2 (largest id + 1)), ``MAX_TOKEN_ROWS``); Qwen's 151,936 tokens at the defaults: 7.3 MB + 3.1 MB,
+    at most 12.6 MB + 3.1 MB. A token id >= ``vocab_size`` raises ``ValueError``; without
     ``vocab_size``, one >= ``MAX_TOKEN_ROWS`` (outside every vocabulary) keeps its pair rows only.
     """
 
@@ -91,13 +97,16 @@ class SuccessorTable:
             raise ValueError(f"pair_slots must be a power of two, got {pair_slots}")
         rows = self.vocab_size if self.vocab_size is not None else _MIN_ROWS
         self.model = np.full((rows, self.top_k), -1, np.int32)
+        self.model_conf = np.full((rows, self.top_k), -1, np.int8)
         self.text = np.full((rows, self.text_k), -1, np.int32)
         self.pair_keys = np.full(pair_slots, -1, np.int64)
         self.pair = np.full((pair_slots, self.top_k), -1, np.int32)
+        self.pair_conf = np.full((pair_slots, self.top_k), -1, np.int8)
 
     @property
     def nbytes(self) -> int:
-        return int(self.model.nbytes + self.text.nbytes + self.pair_keys.nbytes + self.pair.nbytes)
+        return int(sum(getattr(self, name).nbytes
+                       for name in ("model", "model_conf", "text", "pair_keys", "pair", "pair_conf")))
 
     @property
     def num_rows(self) -> int:
@@ -114,15 +123,16 @@ class SuccessorTable:
             rows = min(2 * rows, MAX_TOKEN_ROWS)
         if rows == self.num_rows:
             return
-        for name in ("model", "text"):
+        for name in ("model", "model_conf", "text"):
             old = getattr(self, name)
-            grown = np.full((rows, old.shape[1]), -1, np.int32)
+            grown = np.full((rows, old.shape[1]), -1, old.dtype)
             grown[: old.shape[0]] = old
             setattr(self, name, grown)
 
-    def write(self, tokens, prevs, topk, order) -> None:
+    def write(self, tokens, prevs, topk, order, probs=None) -> None:
         """Model row ``tokens[i]`` and pair row ``(prevs[i], tokens[i])`` := ``topk[i]`` for ``i`` in ``order``
-        (later writes win; ``prevs[i] = -1``: no pair). [m] int, [m] int, [m, kk] int, [w] int."""
+        (later writes win; ``prevs[i] = -1``: no pair). [m] int, [m] int, [m, kk] int, [w] int; ``probs``
+        [m, kk] float: the target's probability of each entry (its confidence class is kept), or None."""
         tokens = np.ascontiguousarray(tokens, np.int64)
         prevs = np.ascontiguousarray(prevs, np.int64)
         topk = np.ascontiguousarray(topk, np.int64)
@@ -132,10 +142,18 @@ class SuccessorTable:
         if topk.ndim != 2 or topk.shape[0] != tokens.shape[0] or prevs.shape != tokens.shape:
             raise ValueError(f"need tokens [m], prevs [m], topk [m, k]; got {tokens.shape}, {prevs.shape}, "
                              f"{topk.shape}")
+        if probs is None:
+            conf = np.full(topk.shape, -1, np.int8)
+        else:
+            probs = np.asarray(probs)
+            if probs.shape != topk.shape:
+                raise ValueError(f"probs must have topk's shape {topk.shape}, got {probs.shape}")
+            conf = np.ascontiguousarray(confidence_classes(probs))
         if tokens[order].min() < 0 or topk[order].min() < 0:
             raise ValueError("token ids must be >= 0")
         self._cover(int(max(tokens[order].max(), topk[order].max(), prevs[order].max())))
-        write_rows_kernel(self.model, self.pair_keys, self.pair, tokens, prevs, topk, order)
+        write_rows_kernel(self.model, self.model_conf, self.pair_keys, self.pair, self.pair_conf, tokens, prevs, topk,
+                          conf, order)
 
     def seed(self, text, begin: int = 0) -> None:
         """Text rows from the bigrams ``text[j - 1] -> text[j]``, ``j >= begin``, most recent first."""
@@ -149,13 +167,24 @@ class SuccessorTable:
 
     def row(self, token: int, kind: int = MODEL, prev: int = -1) -> list[int]:
         """The entries of ``token``'s row of ``kind`` (MODEL, TEXT, or PAIR after ``prev``): ``[]`` if none."""
+        return self._row(token, kind, prev)[0]
+
+    def confidences(self, token: int, kind: int = MODEL, prev: int = -1) -> list[int]:
+        """The confidence classes of the entries ``row`` returns (-1: written without probabilities; TEXT: -1)."""
+        return self._row(token, kind, prev)[1]
+
+    def _row(self, token: int, kind: int, prev: int) -> tuple[list[int], list[int]]:
         if kind == PAIR:
             slot = pair_slot(prev, token, self.pair_keys.shape[0])
-            found = self.pair[slot] if self.pair_keys[slot] == pair_key(prev, token) else self.pair[0, :0]
+            hit = self.pair_keys[slot] == pair_key(prev, token)
+            found, conf = (self.pair[slot], self.pair_conf[slot]) if hit else (self.pair[0, :0], self.pair_conf[0, :0])
         else:
             table = self.model if kind == MODEL else self.text
-            found = table[token] if 0 <= token < self.num_rows else table[0, :0]
-        return found[found >= 0].tolist()
+            inside = 0 <= token < self.num_rows
+            found = table[token] if inside else table[0, :0]
+            conf = self.model_conf[token] if inside and kind == MODEL else np.full(found.shape, -1, np.int8)
+        kept = found >= 0
+        return found[kept].tolist(), conf[kept].tolist()
 
     def top1(self, token: int) -> int:
         """The likeliest successor of ``token`` (its text row's first, else its model row's), or -1."""
@@ -166,31 +195,43 @@ class SuccessorTable:
         return -1
 
     def grow(self, root: int, root_prev: int, exact_root: bool, probs: np.ndarray, max_nodes: int, max_depth: int,
-             min_prob: float):
+             min_prob: float, num_ranks: int | None = None):
         """Best-first tree from ``root`` (after ``root_prev``, -1 = none): (token_ids [n] int64, parents [n] int32,
-        path probs [n] float64, kinds [n, 4] int64 = (row type, depth, rank, agree)). ``probs``:
-        [4, D, K, 2] float64; ``exact_root``: the root's model row is exact; see the kernel."""
+        path probs [n] float64, kinds [n, 4] int64 = (row type, depth, class, agree)). ``probs``:
+        [4, D, C, 2] float64 per class: ranks ``0 .. num_ranks - 1`` (None: all C), then confidence classes;
+        ``exact_root``: the root's model row is exact; see the kernel."""
+        num_ranks = probs.shape[2] if num_ranks is None else num_ranks
         token_ids = np.empty(max_nodes, np.int64)
         parents = np.empty(max_nodes, np.int32)
         path_probs = np.empty(max_nodes, np.float64)
         kinds = np.empty((max_nodes, 4), np.int64)
         count = 0
         if max_nodes > 0 and max_depth > 0 and 0 <= root < self.num_rows:
-            count = grow_tree_kernel(self.model, self.pair_keys, self.pair, self.text, int(root), int(root_prev),
-                                     bool(exact_root), np.ascontiguousarray(probs, np.float64), max_nodes, max_depth,
-                                     float(min_prob), token_ids, parents, path_probs, kinds)
+            count = grow_tree_kernel(self.model, self.model_conf, self.pair_keys, self.pair, self.pair_conf, self.text,
+                                     int(root), int(root_prev), bool(exact_root), np.ascontiguousarray(probs, np.float64),
+                                     int(num_ranks), max_nodes, max_depth, float(min_prob), token_ids, parents,
+                                     path_probs, kinds)
         return token_ids[:count], parents[:count], path_probs[:count], kinds[:count]
 
 
 _BASE_PRIOR = {EXACT: 0.9, PAIR: 0.5, TEXT: 0.35, MODEL: 0.28}  # rank-0 acceptance before any is counted
+_CONF_MIDS = tuple((lo + hi) / 2 for lo, hi in zip((0.0,) + CONF_EDGES, CONF_EDGES + (1.0,)))
+_CONF_PRIOR = {PAIR: (0.1, 0.6), MODEL: (0.05, 0.45)}  # acceptance ~ a + b q at the class's middle probability q
 
 
-def recycle_prior(row_type: int, depth: int, rank: int, agree: int) -> float:
+def recycle_prior(row_type: int, depth: int, rank: int, agree: int, num_ranks: int = 8) -> float:
     """Acceptance prior of a recycled node: ``recycle_prior(PAIR, 1, 0, 0) -> 0.5``; rank r divides by r + 1
-    (an exact row's others: 0.05), depth multiplies by 0.9 per level, agreement of two rows by 1.4 (at most 0.95)."""
+    (an exact row's others: 0.05), depth multiplies by 0.9 per level, agreement of two rows by 1.4 (at most 0.95).
+    ``rank >= num_ranks`` is confidence class ``rank - num_ranks`` of a PAIR or MODEL entry: ``a + b q`` at the
+    class's middle probability ``q`` (model rows: 0.05 + 0.45 q, fitted to the measurement in
+    ``kernels/successor_table.py``; pair rows 0.1 + 0.6 q), ``recycle_prior(MODEL, 1, 8 + 7, 0) -> 0.47``."""
     if row_type == EXACT:
         return 0.9 if rank == 0 else 0.05
-    prior = _BASE_PRIOR[row_type] / (rank + 1) * 0.9 ** (depth - 1)
+    if rank >= num_ranks:
+        a, b = _CONF_PRIOR.get(row_type, (0.05, 0.45))
+        prior = (a + b * _CONF_MIDS[min(rank - num_ranks, NUM_CONF - 1)]) * 0.9 ** (depth - 1)
+    else:
+        prior = _BASE_PRIOR[row_type] / (rank + 1) * 0.9 ** (depth - 1)
     return min(0.95, prior * (1.4 if agree else 1.0))
 
 
@@ -200,22 +241,26 @@ class RecycleSource:
     top_k / text_k / vocab_size / pair_slots: the tables' (``SuccessorTable``). shared: one
     table set for every request (True) or one per request. max_depth: deepest node drafted.
     min_prob: grow no node whose path probability is lower. seed_text: text rows from the
-    request's bigrams (prompt and output).
+    request's bigrams (prompt and output). confidence: keep the target's probability of each
+    model and pair entry (its confidence class) and calibrate per class (False: per rank only).
     """
 
     def __init__(self, top_k: int = 8, shared: bool = True, vocab_size: int | None = None, max_depth: int = 16,
-                 min_prob: float = 0.01, seed_text: bool = True, text_k: int = 2, pair_slots: int = 1 << 16):
+                 min_prob: float = 0.01, seed_text: bool = True, text_k: int = 2, pair_slots: int = 1 << 16,
+                 confidence: bool = True):
         self.top_k = check_int("top_k", top_k, 1)
         self.shared = check_bool("shared", shared)
         self.max_depth = check_int("max_depth", max_depth, 1)
         self.min_prob = check_number("min_prob", min_prob, 0.0, 1.0)
         self.seed_text = check_bool("seed_text", seed_text)
+        self.confidence = check_bool("confidence", confidence)
         self._table_options = (top_k, text_k, vocab_size, pair_slots)
         self.table = SuccessorTable(*self._table_options) if shared else None
         self._tables: dict[Hashable, SuccessorTable] = {}
         self._exact: dict[Hashable, np.ndarray] = {}  # request -> tokens whose rows the last step wrote exactly
-        ranks = max(self.top_k, text_k)
-        self._priors = np.array([[[[recycle_prior(row_type, d, r, agree) for agree in (0, 1)] for r in range(ranks)]
+        self.num_ranks = ranks = max(self.top_k, text_k)  # classes: ranks, then confidence classes
+        self._priors = np.array([[[[recycle_prior(row_type, d, r, agree, ranks) for agree in (0, 1)]
+                                   for r in range(ranks + NUM_CONF)]
                                   for d in range(1, _DEPTH_KINDS + 1)] for row_type in range(NUM_ROW_TYPES)])
         self._probs: tuple[int, AcceptanceCalibrator | None, np.ndarray] = (-_REFRESH_TICKS, None, self._priors)
 
@@ -268,19 +313,20 @@ class RecycleSource:
         rest_rows, frontier_rows = np.nonzero(rest)[0], np.nonzero(frontier)[0]
         rest_rows = rest_rows[np.argsort(-draft.depths()[rest_rows - 1], kind="stable")]  # shallower: truer context
         order = np.concatenate([rest_rows, [0], accepted_rows, frontier_rows])
-        self.table_for(request_id).write(fed, prevs, topk, order)
+        self.table_for(request_id).write(fed, prevs, topk, order, verify_output.topk_probs if self.confidence else None)
         self._exact[request_id] = fed[frontier_rows]
 
     def probabilities(self, calibrator: AcceptanceCalibrator) -> np.ndarray:
-        """[4, D, K, 2] float64: calibrated P(accepted | parent accepted) per (row type, depth, rank, agree),
-        re-read from ``calibrator`` every few judged steps."""
+        """[4, D, R + C, 2] float64: calibrated P(accepted | parent accepted) per (row type, depth, class, agree),
+        classes being R ranks then C confidence classes, re-read from ``calibrator`` every few judged steps."""
         clock, source, probs = self._probs
         if source is calibrator and calibrator.clock - clock < _REFRESH_TICKS:
             return probs
         probs = self._priors.copy()
         for row_type in range(NUM_ROW_TYPES):
+            classes = self.num_ranks + (NUM_CONF if row_type in (PAIR, MODEL) else 0)  # only these have confidences
             for d in range(1 if row_type == EXACT else _DEPTH_KINDS):  # an exact row is only ever the root's
-                for rank in range(probs.shape[2]):
+                for rank in range(classes):
                     for agree in (0, 1):
                         probs[row_type, d, rank, agree] = calibrator.probability(
                             (SOURCE, row_type, d + 1, rank, agree), self._priors[row_type, d, rank, agree])
@@ -297,7 +343,7 @@ class RecycleSource:
         exact_root = exact is not None and root in exact
         depth = min(self.max_depth, budget.max_depth)
         token_ids, parents, path_probs, kinds = table.grow(root, root_prev, exact_root, self.probabilities(calibrator),
-                                                           budget.num_nodes, depth, self.min_prob)
+                                                           budget.num_nodes, depth, self.min_prob, self.num_ranks)
         if token_ids.size == 0:
             return Draft.empty(), []
         draft = Draft(token_ids, parents, path_probs.astype(np.float32), (SOURCE,) * token_ids.size)
@@ -310,7 +356,7 @@ class RecycleDrafter(Drafter):
 
     top_k: successors per token (the engine hands over this many of the target's top tokens).
     shared: one table for all requests (default) or one per request (multi-tenant).
-    vocab_size / max_depth / min_prob / seed_text / text_k / pair_slots: ``RecycleSource``'s.
+    vocab_size / max_depth / min_prob / seed_text / text_k / pair_slots / confidence: ``RecycleSource``'s.
     adaptive / prior_cost_slope: ``DraftSizer``'s (``SpecConfig.adaptive_budget`` sets adaptive).
     """
 
@@ -319,9 +365,10 @@ class RecycleDrafter(Drafter):
 
     def __init__(self, top_k: int = 8, shared: bool = True, vocab_size: int | None = None, max_depth: int = 16,
                  min_prob: float = 0.01, seed_text: bool = True, text_k: int = 2, pair_slots: int = 1 << 16,
-                 adaptive: bool = True, prior_cost_slope: float = 0.03):
+                 adaptive: bool = True, prior_cost_slope: float = 0.03, confidence: bool = True):
         super().__init__()
-        self.recycle = RecycleSource(top_k, shared, vocab_size, max_depth, min_prob, seed_text, text_k, pair_slots)
+        self.recycle = RecycleSource(top_k, shared, vocab_size, max_depth, min_prob, seed_text, text_k, pair_slots,
+                                     confidence)
         self.sizer = DraftSizer(adaptive, prior_cost_slope)
         self.observe_top_k = self.recycle.top_k
 

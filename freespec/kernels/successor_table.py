@@ -2,10 +2,13 @@
 
 Three kinds of *rows* say what may follow a token ``t`` (``-1`` = empty slot, rank 0 first):
 
-- ``model`` [capacity, k] int32: the target's top-k after ``t`` at the last verified node that fed ``t``;
-- ``pair_keys`` [P] int64 / ``pair`` [P, k] int32: the same, keyed by (previous token, ``t``) in a
-  direct-mapped hash of ``P`` slots (a newer pair overwrites an older one in its slot), so the
-  prediction made after the same two tokens wins over one made after ``t`` in any context;
+- ``model`` [capacity, k] int32: the target's top-k after ``t`` at the last verified node that fed ``t``,
+  and ``model_conf`` [capacity, k] int8, each entry's *confidence class* (``confidence_classes``: the
+  target's probability of that token when the row was written, in ``NUM_CONF`` buckets; -1 = unknown);
+- ``pair_keys`` [P] int64 / ``pair`` [P, k] int32 / ``pair_conf`` [P, k] int8: the same, keyed by
+  (previous token, ``t``) in a direct-mapped hash of ``P`` slots (a newer pair overwrites an older one
+  in its slot), so the prediction made after the same two tokens wins over one made after ``t`` in any
+  context;
 - ``text`` [capacity, kt] int32: the tokens that followed ``t`` in the request's own text, most
   recent first.
 
@@ -15,8 +18,14 @@ them, predictions read in the true context): the rank-0 entry of a model row is 
 
 A node's children are the union of its rows, in the order EXACT (the root only: a model row that
 the caller knows was written at the root's very position, so it is the target's top-k in the true
-context), PAIR, TEXT, MODEL; a child takes its *kind* (row type, depth, rank, agree) from the first
-row that holds it, where ``agree`` = 1 when it is the rank-0 entry of two rows or more. The tree is
+context), PAIR, TEXT, MODEL; a child takes its *kind* (row type, depth, class, agree) from the first
+row that holds it, where ``agree`` = 1 when it is the rank-0 entry of two rows or more, and *class*
+is ``num_ranks + confidence class`` for a PAIR or MODEL entry whose confidence is known (and
+within ``probs``), else its rank. The confidence separates what rank alone mixes: measured on
+qwen2.5-coder-0.5b (bfloat16, 21 Spec-Bench outputs, model rows written in the true context and
+read at a later occurrence of the token), a rank-0 entry is the next token 8-16% of the time when
+it was written with probability below 0.4 and 42% when above 0.85, a rank-1 entry 5% below 0.03
+and 21% at 0.4-0.6. The tree is
 grown best-first: a child's path probability is its parent's times ``probs[kind]``; the most
 probable frontier node is taken next (ties: the one pushed first) until ``max_nodes`` are taken or
 none reaches ``min_prob``.
@@ -37,6 +46,13 @@ import numpy as np
 
 EXACT, PAIR, TEXT, MODEL = 0, 1, 2, 3  # row types, in the order a node's children are read from them
 NUM_ROW_TYPES = 4
+CONF_EDGES = (0.03, 0.08, 0.15, 0.25, 0.4, 0.6, 0.85)  # a probability's confidence class: how many edges it reaches
+NUM_CONF = len(CONF_EDGES) + 1
+
+
+def confidence_classes(probs: np.ndarray) -> np.ndarray:
+    """The confidence class (0 .. ``NUM_CONF - 1``) of each probability, int8: ``[0.01, 0.5, 0.9] -> [0, 5, 7]``."""
+    return np.searchsorted(np.asarray(CONF_EDGES), np.asarray(probs, np.float64), side="right").astype(np.int8)
 
 
 @numba.njit(cache=True)
@@ -52,10 +68,10 @@ def pair_key(prev, token):
 
 
 @numba.njit(cache=True)
-def write_rows_kernel(model, pair_keys, pair, tokens, prevs, topk, order):
-    # model [capacity, k] int32 (a token >= capacity has no model row), pair_keys [P] int64, pair [P, k] int32,
-    # tokens [m] int64,
-    # prevs [m] int64 (the token before each, -1 = none), topk [m, kk] int64,
+def write_rows_kernel(model, model_conf, pair_keys, pair, pair_conf, tokens, prevs, topk, conf, order):
+    # model, model_conf [capacity, k] int32 / int8 (a token >= capacity has no model row), pair_keys [P] int64,
+    # pair, pair_conf [P, k] int32 / int8, tokens [m] int64,
+    # prevs [m] int64 (the token before each, -1 = none), topk [m, kk] int64, conf [m, kk] int8 (-1 = unknown),
     # order [w] int64: rows of tokens/topk to write, in this order (a later write wins)
     k = model.shape[1]
     width = min(k, topk.shape[1])
@@ -65,11 +81,13 @@ def write_rows_kernel(model, pair_keys, pair, tokens, prevs, topk, order):
         if token < model.shape[0]:  # a token past the table's rows keeps its pair row only
             for r in range(k):
                 model[token, r] = topk[i, r] if r < width else -1
+                model_conf[token, r] = conf[i, r] if r < width else -1
         if prevs[i] >= 0:
             slot = pair_slot(prevs[i], token, pair_keys.shape[0])
             pair_keys[slot] = pair_key(prevs[i], token)
             for r in range(k):
                 pair[slot, r] = topk[i, r] if r < width else -1
+                pair_conf[slot, r] = conf[i, r] if r < width else -1
 
 
 @numba.njit(cache=True)
@@ -92,38 +110,41 @@ def seed_text_kernel(text_rows, text, begin):
 
 
 @numba.njit(cache=True)
-def _row(row_type, token, prev, model, pair_keys, pair, text_rows, exact_root):
-    """The row of ``row_type`` for ``token`` after ``prev`` (an empty array if none)."""
+def _row(row_type, token, prev, model, model_conf, pair_keys, pair, pair_conf, text_rows, exact_root):
+    """(the row of ``row_type`` for ``token`` after ``prev``, its confidence classes): empty arrays if none; the
+    classes are empty for EXACT and TEXT rows (an exact row is read by rank, the target's own ranking in the true
+    context; a text row has no probabilities)."""
+    none = model_conf[0, :0]
     if row_type == EXACT:
         if exact_root and token < model.shape[0]:
-            return model[token]
+            return model[token], none
     elif row_type == PAIR:
         if prev >= 0:
             slot = pair_slot(prev, token, pair_keys.shape[0])
             if pair_keys[slot] == pair_key(prev, token):
-                return pair[slot]
+                return pair[slot], pair_conf[slot]
     elif row_type == TEXT:
         if token < text_rows.shape[0]:
-            return text_rows[token]
+            return text_rows[token], none
     elif not exact_root and token < model.shape[0]:
-        return model[token]
-    return model[0, :0]
+        return model[token], model_conf[token]
+    return model[0, :0], none
 
 
 @numba.njit(cache=True)
-def _push_children(model, pair_keys, pair, text_rows, probs, node, token, prev, exact_root, prob, depth,
-                   frontier, frontier_prob, size, seq, child_buf):
-    # frontier [capacity, 6] int64: (parent node, token, row type, rank, agree, push order); child_buf [m] int64
+def _push_children(model, model_conf, pair_keys, pair, pair_conf, text_rows, probs, num_ranks, node, token, prev,
+                   exact_root, prob, depth, frontier, frontier_prob, size, seq, child_buf):
+    # frontier [capacity, 6] int64: (parent node, token, row type, class, agree, push order); child_buf [m] int64
     num_children = 0
     d = min(depth + 1, probs.shape[1]) - 1
     firsts = np.full(NUM_ROW_TYPES, -1, np.int64)  # each row's rank-0 entry
     for row_type in range(NUM_ROW_TYPES):
-        row = _row(row_type, token, prev, model, pair_keys, pair, text_rows, exact_root)
+        row, _ = _row(row_type, token, prev, model, model_conf, pair_keys, pair, pair_conf, text_rows, exact_root)
         if row.shape[0] > 0:
             firsts[row_type] = row[0]
     for row_type in range(NUM_ROW_TYPES):
-        row = _row(row_type, token, prev, model, pair_keys, pair, text_rows, exact_root)
-        for r in range(min(row.shape[0], probs.shape[2])):
+        row, conf = _row(row_type, token, prev, model, model_conf, pair_keys, pair, pair_conf, text_rows, exact_root)
+        for r in range(min(row.shape[0], num_ranks)):
             child = row[r]
             if child < 0:
                 continue
@@ -135,28 +156,32 @@ def _push_children(model, pair_keys, pair, text_rows, probs, node, token, prev, 
             if seen:
                 continue
             agree = 1 if np.sum(firsts == child) >= 2 else 0
+            cls = r
+            if r < conf.shape[0] and conf[r] >= 0 and num_ranks + conf[r] < probs.shape[2]:
+                cls = num_ranks + conf[r]
             child_buf[num_children] = child
             num_children += 1
             frontier[size, 0] = node
             frontier[size, 1] = child
             frontier[size, 2] = row_type
-            frontier[size, 3] = r
+            frontier[size, 3] = cls
             frontier[size, 4] = agree
             frontier[size, 5] = seq
-            frontier_prob[size] = prob * probs[row_type, d, r, agree]
+            frontier_prob[size] = prob * probs[row_type, d, cls, agree]
             size += 1
             seq += 1
     return size, seq
 
 
 @numba.njit(cache=True)
-def grow_tree_kernel(model, pair_keys, pair, text_rows, root, root_prev, exact_root, probs, max_nodes, max_depth,
-                     min_prob, out_token_ids, out_parents, out_probs, out_kinds):
-    # model [capacity, k] int32, pair_keys [P] int64, pair [P, k] int32, text_rows [capacity, kt] int32,
-    # root_prev: the token before the root (-1 = none), exact_root: the root's model row is EXACT,
-    # probs [4, D, K, 2] float64 per (row type, depth, rank, agree), out_token_ids [max_nodes] int64,
-    # out_parents [max_nodes] int32, out_probs [max_nodes] float64,
-    # out_kinds [max_nodes, 4] int64: (row type, depth, rank, agree); returns the number of nodes
+def grow_tree_kernel(model, model_conf, pair_keys, pair, pair_conf, text_rows, root, root_prev, exact_root, probs,
+                     num_ranks, max_nodes, max_depth, min_prob, out_token_ids, out_parents, out_probs, out_kinds):
+    # model, model_conf [capacity, k] int32 / int8, pair_keys [P] int64, pair, pair_conf [P, k] int32 / int8,
+    # text_rows [capacity, kt] int32, root_prev: the token before the root (-1 = none), exact_root: the root's
+    # model row is EXACT, probs [4, D, C, 2] float64 per (row type, depth, class, agree): classes 0 .. num_ranks - 1
+    # are ranks, num_ranks + c confidence class c; at most num_ranks entries of a row are read;
+    # out_token_ids [max_nodes] int64, out_parents [max_nodes] int32, out_probs [max_nodes] float64,
+    # out_kinds [max_nodes, 4] int64: (row type, depth, class, agree); returns the number of nodes
     per_node = 2 * model.shape[1] + text_rows.shape[1]
     capacity = per_node * (max_nodes + 1)
     frontier = np.empty((capacity, 6), np.int64)
@@ -164,8 +189,8 @@ def grow_tree_kernel(model, pair_keys, pair, text_rows, root, root_prev, exact_r
     child_buf = np.empty(per_node, np.int64)
     node_token = np.empty(max_nodes, np.int64)
     node_depth = np.empty(max_nodes, np.int64)
-    size, seq = _push_children(model, pair_keys, pair, text_rows, probs, -1, root, root_prev, exact_root, 1.0, 0,
-                               frontier, frontier_prob, 0, 0, child_buf)
+    size, seq = _push_children(model, model_conf, pair_keys, pair, pair_conf, text_rows, probs, num_ranks, -1, root,
+                               root_prev, exact_root, 1.0, 0, frontier, frontier_prob, 0, 0, child_buf)
     count = 0
     while count < max_nodes and size > 0:
         best = 0
@@ -191,7 +216,8 @@ def grow_tree_kernel(model, pair_keys, pair, text_rows, root, root_prev, exact_r
         node_depth[count] = depth
         if depth < max_depth:
             prev = root if parent < 0 else node_token[parent]
-            size, seq = _push_children(model, pair_keys, pair, text_rows, probs, count, token, prev, False, prob,
-                                       depth, frontier, frontier_prob, size, seq, child_buf)
+            size, seq = _push_children(model, model_conf, pair_keys, pair, pair_conf, text_rows, probs, num_ranks,
+                                       count, token, prev, False, prob, depth, frontier, frontier_prob, size, seq,
+                                       child_buf)
         count += 1
     return count
