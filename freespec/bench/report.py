@@ -415,8 +415,9 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
     if summary["vanilla"]:
         speed_methods = [label for label in labels if label != summary["vanilla"]]
         if speed_methods:
+            simulated = " - SIMULATED forward costs (see results.md)" if results.get("simulated") else ""
             grouped_bars(speed_methods, lambda m: (m["speedup_vs_vanilla"] or {}).get("median"),
-                         "speedup over vanilla (median per prompt)", f"Speedup by category ({model})",
+                         "speedup over vanilla (median per prompt)", f"Speedup by category ({model}){simulated}",
                          "speedup_by_category.png", baseline=1.0)
     grouped_bars(labels, lambda m: m["tau"], "tau (new tokens per forward)", f"tau by category ({model})",
                  "tau_by_category.png", baseline=1.0)
