@@ -11,6 +11,12 @@ seconds and ``time.process_time`` CPU seconds. freespec's own ``SpecStats``
 is recorded beside them (draft and verify time, per-drafter counts) and its
 forward count is cross-checked against the hook's.
 
+Simulating another machine (``simulate``, ``freespec bench --simulate``): the hook
+also times every forward and charges it a ``CostCurve``'s time instead; a record's
+wall and CPU seconds are then the measured ones with the forwards' measured time
+replaced by the curve's, and speculative methods' drafters see the curve's time in
+``on_forward`` (``simulated_on_forward``), so a live cost model learns that curve.
+
 Multi-turn items: turn ``k`` is asked with the reference method's answers to
 the earlier turns (``vanilla`` if it runs, else the first method), so every
 method sees the same history; under greedy decoding all answers are equal anyway.
