@@ -459,11 +459,6 @@ class SpeculativeDecoder:
         self.drafter.extend(row.request_id, np.asarray(committed, np.int64))
 
 
-def top_k_ids(scores: torch.Tensor, k: int, chunk: int = 128) -> torch.Tensor:
-    """``torch.topk(scores, k, dim=-1).indices`` for [n, V] scores, in a sixth of the time for a large V (``top_k``)."""
-    return top_k(scores, k, chunk)[0]
-
-
 def top_k(scores: torch.Tensor, k: int, chunk: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """(``torch.topk(scores, k, dim=-1).indices``, their probabilities) for [n, V] scores, fast for a large V.
 

@@ -230,7 +230,7 @@ def naive_pool_insert(pool, max_keys, guesses, key, gram) -> None:
 
 
 # =====================================================================================
-# freespec.engine.top_k_ids (the recycling table's top-k of every fed node)
+# freespec.engine.top_k (the recycling table's top-k of every fed node, and their probabilities)
 # =====================================================================================
 
 

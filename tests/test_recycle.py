@@ -27,13 +27,13 @@ FAST = settings(max_examples=60, deadline=None)
 
 @FAST
 @given(st.integers(1, 4), st.integers(1, 600), st.integers(1, 12), st.sampled_from([1, 4, 16, 128]), st.integers(0, 2**16))
-def test_top_k_ids_matches_its_twin(num_rows, vocab, k, chunk, seed):
+def test_top_k_matches_its_twin(num_rows, vocab, k, chunk, seed):
     """The engine's chunked top-k (what observe() receives) against a sort, on distinct scores."""
-    from freespec.engine import top_k_ids
+    from freespec.engine import top_k
 
     scores = torch.from_numpy(np.random.default_rng(seed).permutation(num_rows * vocab).reshape(num_rows, vocab))
     scores = scores.to(torch.float32) - vocab  # distinct, some negative
-    got = top_k_ids(scores, k, chunk=chunk).tolist()
+    got = top_k(scores, k, chunk=chunk)[0].tolist()
     assert got == naive.naive_top_k_ids(scores.tolist(), k)
 
 
@@ -56,12 +56,12 @@ def test_top_k_probabilities_match_their_twin(num_rows, vocab, k, chunk, seed):
         assert torch.allclose(probs, exact)
 
 
-def test_top_k_ids_on_real_vocabulary_sizes():
-    from freespec.engine import top_k_ids
+def test_top_k_on_real_vocabulary_sizes():
+    from freespec.engine import top_k
 
     for vocab in (151936, 32001, 49152):
         scores = torch.randn(9, vocab)
-        assert torch.equal(top_k_ids(scores, 8), torch.topk(scores, 8, dim=-1).indices)
+        assert torch.equal(top_k(scores, 8)[0], torch.topk(scores, 8, dim=-1).indices)
 
 
 SLOTS = 8  # pair slots in the kernel tests: collisions happen, and the twin must agree on them

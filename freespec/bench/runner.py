@@ -233,9 +233,10 @@ def run_method(runner: MethodRunner, model, counter: ForwardCounter, input_ids, 
         t0, c0 = time.perf_counter(), time.process_time()
         out, stats = runner.generate(model, input_ids, gen_kwargs)
         wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    measured = {"measured_wall_s": wall_s, "measured_cpu_s": cpu_s, "measured_forward_s": counter.forward_s,
-                "simulated_forward_s": counter.simulated_s}
+    simulated = {}
     if counter.simulate is not None:  # the forwards at the curve's price, everything else as measured
+        simulated = {"measured_wall_s": wall_s, "measured_cpu_s": cpu_s, "measured_forward_s": counter.forward_s,
+                     "simulated_forward_s": counter.simulated_s}
         wall_s += counter.simulated_s - counter.forward_s
         cpu_s += counter.simulated_s - counter.forward_cpu_s
     rows = out[:, input_ids.shape[1]:].tolist()
@@ -254,9 +255,8 @@ def run_method(runner: MethodRunner, model, counter: ForwardCounter, input_ids, 
         "tokens_fed_after_prefill": counter.tokens_fed,
         "row_new_tokens": row_tokens, "rows_past_eos": past_eos,
         "engine": _stats_record(stats),
+        **simulated,
     }
-    if counter.simulate is not None:
-        record.update(measured)
     return outputs, record, stats
 
 
