@@ -203,23 +203,26 @@ def _probe_costs(model, batch_size: int = 1) -> dict:
     return cost_curve
 
 
-def _simulated_curve(args):
-    """The ``CostCurve`` of ``--simulate`` (scaled by ``--one-token-ms``), or None; checked before the model loads."""
+def _cost_curve_argument(value: str | None, one_token_ms: float | None, option: str):
+    """The ``CostCurve`` an option names (a results.json or k:c pairs), scaled by ``--one-token-ms``, or None."""
     import math
 
     from .bench.cost import CostCurve
 
-    if args.one_token_ms is not None:
-        if args.simulate is None:
-            raise ValueError("--one-token-ms scales the simulated machine's cost curve: it needs --simulate")
-        if not (math.isfinite(args.one_token_ms) and args.one_token_ms > 0):
-            raise ValueError(f"--one-token-ms must be a positive number of milliseconds, got {args.one_token_ms}")
-    if args.simulate is None:
-        return None
-    if args.batch_size != 1:
+    if one_token_ms is not None:
+        if value is None:
+            raise ValueError(f"--one-token-ms scales a cost curve: it needs {option}")
+        if not (math.isfinite(one_token_ms) and one_token_ms > 0):
+            raise ValueError(f"--one-token-ms must be a positive number of milliseconds, got {one_token_ms}")
+    return None if value is None else CostCurve.load(value, option, one_token_ms)
+
+
+def _simulated_curve(args):
+    """The ``CostCurve`` of ``--simulate`` (scaled by ``--one-token-ms``), or None; checked before the model loads."""
+    if args.simulate is not None and args.batch_size != 1:
         raise ValueError(f"--simulate prices one row's forwards (a cost curve of a batch of one): it needs "
                          f"--batch-size 1, got {args.batch_size}")
-    return CostCurve.load(args.simulate, "--simulate", args.one_token_ms)
+    return _cost_curve_argument(args.simulate, args.one_token_ms, "--simulate")
 
 
 def _bench_inputs(args):
@@ -315,19 +318,12 @@ def _set_omp_wait_policy() -> str:
 def replay_command(args) -> int:
     import dataclasses
     import json
-    import math
 
-    from .bench.cost import CostCurve
     from .bench.methods import parse_drafters
     from .bench.replay import load_traces
 
-    if args.one_token_ms is not None:
-        if args.cost_curve is None:
-            raise ValueError("--one-token-ms scales a cost curve: it needs --cost-curve")
-        if not (math.isfinite(args.one_token_ms) and args.one_token_ms > 0):
-            raise ValueError(f"--one-token-ms must be a positive number of milliseconds, got {args.one_token_ms}")
+    cost = _cost_curve_argument(args.cost_curve, args.one_token_ms, "--cost-curve")
     methods = parse_drafters(args.drafters)
-    cost = CostCurve.load(args.cost_curve, "--cost-curve", args.one_token_ms) if args.cost_curve else None
     traces = load_traces(args.traces)
     results, skipped = _replay_all(args, methods, traces, cost)
     _print_replay(args, traces, cost, results, skipped)
