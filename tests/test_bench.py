@@ -14,7 +14,7 @@ from freespec.bench import datasets
 from freespec.bench.datasets import Item, format_prompt, load_dataset, round_robin
 from freespec.bench.methods import parse_drafters, parse_method, parse_methods, split_methods
 from freespec.bench.peers import ArcticSuffixDrafter, arctic_available, arctic_to_draft
-from freespec.bench.report import console_report, markdown_report, summarize, write_results
+from freespec.bench.report import console_report, markdown_report, summarize, width_shares, write_results
 from freespec.draft import Budget
 from freespec.drafters import make
 
@@ -260,9 +260,11 @@ def test_arctic_missing_is_reported(monkeypatch):
 
 # ------------------------------------------------------------------------------ report
 def _record(new_tokens, forwards, wall_s, engine=None, matches=True):
+    # widths of the forwards after the prefill: a quarter feed 1 token, a quarter 17, half 4
+    widths = {"1": (forwards - 1) // 4, "17": (forwards - 1) // 4, "4": forwards - 1 - 2 * ((forwards - 1) // 4)}
     return {"new_tokens": new_tokens, "forwards": forwards, "tau": new_tokens / forwards, "wall_s": wall_s,
             "cpu_s": wall_s * 2, "tokens_per_s": new_tokens / wall_s, "tokens_fed_after_prefill": 3 * (forwards - 1),
-            "engine": engine, "matches_reference": matches}
+            "forward_widths": widths, "engine": engine, "matches_reference": matches}
 
 
 def _synthetic_results():
@@ -305,6 +307,9 @@ def test_summary_metrics():
     assert fs["speedup_vs_hf_pld"]["median"] == pytest.approx(4.0)
     assert fs["draft_overhead"] == pytest.approx(0.1) and fs["engine_tau"] == pytest.approx(4.0)
     assert fs["fed_per_step"] == pytest.approx(3.0) and fs["mismatches"] == 1
+    assert fs["width_shares"] == pytest.approx([6 / 24, 12 / 24, 0, 6 / 24, 0, 0])  # 24 forwards after the prefill
+    assert width_shares({"1": 1, "16": 3}) == [0.25, 0, 0.75, 0, 0, 0] and width_shares({}) is None
+    assert width_shares({"64": 1, "65": 1}) == [0, 0, 0, 0, 0.5, 0.5]
     assert overall["vanilla"]["speedup_vs_vanilla"] is None
     per_b = results["summary"]["per_category"]["b"]["freespec"]
     assert per_b["speedup_vs_vanilla"]["median"] == pytest.approx(1.0) and per_b["prompts"] == 1
@@ -319,6 +324,9 @@ def test_reports_and_files(tmp_path):
     assert "| method | tau |" in md and "**METHOD NOT RUN: arctic-suffix" in md
     assert "CPU matrix features: amx_bf16, avx512f; torch CPU capability AVX512; GPU: none." in md
     assert "| 4 | 15.0 | 1.50 |" in md and "| 512 (prefill) | 200.0 | 20.00 |" in md
+    assert "| method | 1 | 2-8 | 9-16 | 17-32 | 33-64 | 65+ |" in md
+    assert "| freespec | 25% | 50% | 0% | 25% | 0% | 0% |" in md
+    assert "Forwards after the prefill by tokens fed" in text
     assert "Cost of a forward feeding k tokens over 512 cached ones" in text
     written = write_results(results, tmp_path / "out")
     names = {p.name for p in written}
@@ -390,8 +398,17 @@ def test_bench_end_to_end_then_replay(tmp_path, tiny_model, capsys):
     assert results["prompts"][1]["order"] == results["prompts"][0]["order"][::-1]  # ABAB / BABA
     overall = results["summary"]["overall"]
     assert overall["vanilla"]["tau"] == 1.0
-    fs = overall["freespec:prompt_lookup{min_match=1,max_draft_tokens=8}"]
+    method = "freespec:prompt_lookup{min_match=1,max_draft_tokens=8}"
+    fs = overall[method]
     assert fs["engine_tau"] == pytest.approx(fs["tau"]) and fs["draft_overhead"] is not None
+    for prompt in results["prompts"]:  # every forward after the prefill, by its width
+        for record in prompt["methods"].values():
+            widths = {int(w): n for w, n in record["forward_widths"].items()}
+            assert sum(widths.values()) == record["forwards"] - 1
+            assert sum(w * n for w, n in widths.items()) == record["tokens_fed_after_prefill"]
+    assert overall["vanilla"]["width_shares"] == [1.0, 0, 0, 0, 0, 0]
+    assert 0 < fs["width_shares"][0] < 1 and fs["width_shares"][3:] == [0, 0, 0]  # at most 1 + 8 tokens
+    assert max(int(w) for p in results["prompts"] for w in p["methods"][method]["forward_widths"]) <= 9
     assert results["environment"]["torch_threads"] == 1 and results["config"]["threads"] == 1
     assert "PASSIVE" in " ".join(results["notes"]) or "OMP_WAIT_POLICY" in " ".join(results["notes"])
     assert (out / "results.md").read_text().startswith("Model `tiny`")

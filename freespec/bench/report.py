@@ -13,6 +13,10 @@ Metrics of a method over a set of prompts (a category, or all):
 - ``draft_overhead``: time in the drafter over time in generate() (freespec's stats).
 - ``fed_per_step``: tokens fed per row and forward after the prefill (root + draft nodes;
   in a batch, the widest row's, as every row is padded to it).
+- ``width_shares``: the share of those forwards in each band of ``WIDTH_BANDS`` (1, 2-8,
+  9-16, 17-32, 33-64, 65+ tokens), which says where a method's forwards sit on the cost
+  curve: under a curve with a step after 16 tokens a sizer that prices it keeps most
+  forwards at 16 or below.
 
 A record is one prompt, or one batch of prompts (``--batch-size``): then
 tokens/s is the whole batch's and tau counts per row (``runner``'s docstring).
@@ -32,6 +36,19 @@ import json
 import statistics
 from pathlib import Path
 from typing import Any, Sequence
+
+
+WIDTH_BANDS = ((1, 1), (2, 8), (9, 16), (17, 32), (33, 64), (65, None))  # forward widths, inclusive; None: no end
+
+
+def width_shares(widths: dict) -> list[float] | None:
+    """The share of forwards in each of ``WIDTH_BANDS``: ``{"1": 1, "16": 3} -> [0.25, 0, 0.75, 0, 0, 0]``; None for
+    none (or records from before widths were kept)."""
+    total = sum(widths.values())
+    if not total:
+        return None
+    return [sum(n for w, n in widths.items() if lo <= int(w) and (hi is None or int(w) <= hi)) / total
+            for lo, hi in WIDTH_BANDS]
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -68,6 +85,10 @@ def method_metrics(prompts: Sequence[dict], label: str, vanilla: str | None, hf_
     steps = sum(max(0, r["forwards"] - 1) for r in records)
     fed = sum(r["tokens_fed_after_prefill"] for r in records)
     engines = [r["engine"] for r in records if r.get("engine")]
+    widths: dict[str, int] = {}
+    for r in records:
+        for width, count in r.get("forward_widths", {}).items():
+            widths[width] = widths.get(width, 0) + count
     metrics: dict[str, Any] = {
         "prompts": len(records),
         "new_tokens": new_tokens,
@@ -78,6 +99,7 @@ def method_metrics(prompts: Sequence[dict], label: str, vanilla: str | None, hf_
         "wall_s": wall_s,
         "cpu_s": cpu_s,
         "fed_per_step": fed / steps if steps else None,
+        "width_shares": width_shares(widths),
         "speedup_vs_vanilla": _speedup(prompts, label, vanilla),
         "speedup_vs_hf_pld": _speedup(prompts, label, hf_pld),
         "cpu_speedup_vs_vanilla": _speedup(prompts, label, vanilla, "cpu_s"),
@@ -221,6 +243,18 @@ def category_rows(summary: dict, what: str) -> tuple[list[str], list[list[str]]]
     return header, rows
 
 
+WIDTH_TITLE = "Forwards after the prefill by tokens fed (share of each method's; where it sits on the cost curve)"
+
+
+def width_rows(summary: dict) -> tuple[list[str], list[list[str]]] | None:
+    """A row per method with widths recorded: its ``width_shares`` in percent; None when no method has them."""
+    header = ["method"] + [str(lo) if hi == lo else f"{lo}+" if hi is None else f"{lo}-{hi}"
+                           for lo, hi in WIDTH_BANDS]
+    rows = [[label] + [f"{100 * share:.0f}%" for share in m["width_shares"]]
+            for label, m in summary["overall"].items() if m.get("width_shares")]
+    return (header, rows) if rows else None
+
+
 def batch_note(results: dict) -> str | None:
     batch_size = results.get("config", {}).get("batch_size", 1)
     if batch_size <= 1:
@@ -311,6 +345,8 @@ def console_report(results: dict) -> str:
         parts += ["tau by category", text_table(*category_rows(summary, "tau")), ""]
     if identity_summary(results):
         parts += [identity_title(results), text_table(*identity_rows(results)), ""]
+    if width_rows(summary):
+        parts += [WIDTH_TITLE, text_table(*width_rows(summary)), ""]
     if results.get("cost_curve"):
         parts += [cost_title(results["cost_curve"]), text_table(*cost_rows(results["cost_curve"])), ""]
     for note in [precision_note(results), batch_note(results)] + results.get("notes", []):
@@ -346,6 +382,8 @@ def markdown_report(results: dict) -> str:
     parts += ["tau by category:", "", markdown_table(*category_rows(summary, "tau")), ""]
     if identity_summary(results):
         parts += [identity_title(results) + ":", "", markdown_table(*identity_rows(results)), ""]
+    if width_rows(summary):
+        parts += [WIDTH_TITLE + ":", "", markdown_table(*width_rows(summary)), ""]
     if results.get("cost_curve"):
         parts += [cost_title(results["cost_curve"]) + ":", "", markdown_table(*cost_rows(results["cost_curve"])), ""]
     warnings = warnings_of(results)

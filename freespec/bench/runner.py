@@ -67,6 +67,7 @@ class ForwardCounter:
         self.forwards = 0
         self.row_forwards = 0  # rows fed, summed over forwards
         self.tokens_fed = 0  # tokens per row (the forward's width) fed by forwards after the prefill
+        self.widths: dict[int, int] = {}  # forwards after the prefill, by width
         self.forward_s = 0.0  # wall seconds inside forwards
         self.forward_cpu_s = 0.0  # CPU seconds inside forwards
         self.simulated_s = 0.0  # the curve's seconds for the same forwards (simulate only)
@@ -84,6 +85,7 @@ class ForwardCounter:
         self.row_forwards += num_rows
         if self.forwards > 1:
             self.tokens_fed += num_tokens
+            self.widths[num_tokens] = self.widths.get(num_tokens, 0) + 1
         if self.simulate is not None:
             if num_rows != 1:
                 raise ValueError(f"a simulated machine charges one row's forwards (its cost curve is a batch of "
@@ -221,7 +223,8 @@ def run_method(runner: MethodRunner, model, counter: ForwardCounter, input_ids, 
 
     The record holds new tokens (all rows), the hook's forward count, row-forwards
     and tau (per row), wall and CPU seconds, tokens/s (the whole batch), tokens per
-    row fed after the prefill, each row's new tokens and freespec's own stats. A
+    row fed after the prefill and those forwards by width (``forward_widths``,
+    ``{"16": 40, ...}``), each row's new tokens and freespec's own stats. A
     row's output ends at its first token of ``eos_ids``; ``rows_past_eos`` counts
     rows with anything but the pad token (or an EOS, which generate() pads with when
     there is no pad token) after it: a bug of the method.
@@ -253,6 +256,7 @@ def run_method(runner: MethodRunner, model, counter: ForwardCounter, input_ids, 
         "wall_s": wall_s, "cpu_s": cpu_s,
         "tokens_per_s": new_tokens / wall_s if wall_s > 0 else 0.0,
         "tokens_fed_after_prefill": counter.tokens_fed,
+        "forward_widths": {str(width): count for width, count in sorted(counter.widths.items())},
         "row_new_tokens": row_tokens, "rows_past_eos": past_eos,
         "engine": _stats_record(stats),
         **simulated,
