@@ -122,3 +122,20 @@ def test_sampling_consumes_one_draw_per_emitted_token():
     for row in range(len(acceptance.token_ids)):
         torch.multinomial(torch.softmax(rows[row], -1), 1)
     assert torch.equal(after_tree, torch.rand(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_greedy_choice_is_torch_argmax(dtype):
+    """``choose_token``'s fast greedy path picks the index ``torch.argmax`` picks: the first maximum, the first NaN,
+    index 0 of an all -inf row; bfloat16 (no numpy dtype) takes torch's path."""
+    from freespec.verify import choose_token
+
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randn(151936, generator=gen), torch.zeros(50), torch.full((9,), float("-inf")),
+            torch.randint(0, 3, (1000,), generator=gen).float()]  # ties everywhere
+    with_nan = torch.randn(100, generator=gen)
+    with_nan[[7, 40]] = float("nan")
+    rows += [with_nan, torch.tensor([float("inf"), 1.0, float("inf")])]
+    for row in rows:
+        row = row.to(dtype)
+        assert choose_token(row, do_sample=False) == int(torch.argmax(row, dim=-1))
