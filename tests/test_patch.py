@@ -145,6 +145,22 @@ def test_return_dict_with_scores(model):
         assert torch.allclose(a, b, atol=1e-6)
 
 
+def test_logits_buffer_reuses_its_memory():
+    """Each step's float32 logits go into the same memory (grown when a wider forward needs more): the values are
+    the conversion's, and a fill overwrites the last one's view, which is why kept scores are copies."""
+    from freespec.engine import LogitsBuffer
+
+    buffer = LogitsBuffer()
+    first = torch.randn(1, 3, 10).to(torch.bfloat16)
+    view = buffer.fill(first)
+    assert view.dtype == torch.float32 and torch.equal(view, first.float())
+    second = torch.randn(1, 2, 10).to(torch.bfloat16)
+    again = buffer.fill(second)
+    assert again.data_ptr() == view.data_ptr() and torch.equal(again, second.float())
+    wide = torch.randn(2, 9, 10).to(torch.bfloat16)
+    assert torch.equal(buffer.fill(wide), wide.float())  # grown
+
+
 def test_drafter_instance_is_reused_across_calls(model):
     from freespec.drafters.prompt_lookup import PromptLookupDrafter
 
