@@ -345,8 +345,9 @@ def console_report(results: dict) -> str:
         parts += ["tau by category", text_table(*category_rows(summary, "tau")), ""]
     if identity_summary(results):
         parts += [identity_title(results), text_table(*identity_rows(results)), ""]
-    if width_rows(summary):
-        parts += [WIDTH_TITLE, text_table(*width_rows(summary)), ""]
+    widths = width_rows(summary)
+    if widths:
+        parts += [WIDTH_TITLE, text_table(*widths), ""]
     if results.get("cost_curve"):
         parts += [cost_title(results["cost_curve"]), text_table(*cost_rows(results["cost_curve"])), ""]
     for note in [precision_note(results), batch_note(results)] + results.get("notes", []):
@@ -382,8 +383,9 @@ def markdown_report(results: dict) -> str:
     parts += ["tau by category:", "", markdown_table(*category_rows(summary, "tau")), ""]
     if identity_summary(results):
         parts += [identity_title(results) + ":", "", markdown_table(*identity_rows(results)), ""]
-    if width_rows(summary):
-        parts += [WIDTH_TITLE + ":", "", markdown_table(*width_rows(summary)), ""]
+    widths = width_rows(summary)
+    if widths:
+        parts += [WIDTH_TITLE + ":", "", markdown_table(*widths), ""]
     if results.get("cost_curve"):
         parts += [cost_title(results["cost_curve"]) + ":", "", markdown_table(*cost_rows(results["cost_curve"])), ""]
     warnings = warnings_of(results)
