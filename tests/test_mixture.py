@@ -189,6 +189,24 @@ def test_cost_model_prior_until_measured_and_monotone():
     assert np.all(np.diff(curve) >= 0) and curve[0] == 1.0
 
 
+
+def test_cost_model_keeps_its_curve_only_while_a_recompute_would_give_the_same():
+    """``add`` keeps the cached curve when a pinned width's median does not move (a simulated machine charges
+    the same time each forward); after every add it equals a curve recomputed from scratch."""
+    rng = np.random.default_rng(3)
+    model = CostModel(window=8)
+    kept = 0
+    for step in range(600):
+        width = int(rng.choice([1, 2, 5, 16, 17, 23, 40]))
+        forward_s = 0.1 * (1 + width / 50) * (1 if rng.random() < 0.7 else float(rng.uniform(0.9, 1.1)))
+        before = model._curve
+        model.add(width, forward_s)
+        kept += model._curve is not None and model._curve is before
+        cached = model.curve().copy()
+        model._curve = None
+        np.testing.assert_array_equal(cached, model.curve(), err_msg=f"step {step}, width {width}")
+    assert kept > 100  # the cache was kept, not only rebuilt
+
 def test_calibration_learns_synthetic_outcomes():
     calibrator = AcceptanceCalibrator()
     good, bad = calibrator.kind("suffix", 2, 1, 1.0), calibrator.kind("ngram", 0, 1, 0.5)

@@ -81,9 +81,11 @@ class CostModel:
         if num_tokens_fed < 1 or num_tokens_fed > self.MAX_WIDTH or not forward_s > 0 or math.isinf(forward_s):
             return
         times = self._times[num_tokens_fed - 1]
+        was_pinned, old_median = len(times) >= self.min_samples, self._medians[num_tokens_fed - 1]
         times.append(float(forward_s))
-        self._medians[num_tokens_fed - 1] = statistics.median(times)  # 50x faster than np.median on 32
-        self._curve = None
+        median = self._medians[num_tokens_fed - 1] = statistics.median(times)  # 50x faster than np.median on 32
+        if not (was_pinned and median == old_median):  # a pinned width's unchanged median leaves the curve as it is
+            self._curve = None
 
     def prior(self, num_tokens: float) -> float:
         return 1.0 + self.prior_slope * (num_tokens - 1)
