@@ -25,7 +25,27 @@ def test_runs_on_cpu_with_the_default_methods(tmp_path, tiny_model, capsys):  # 
     assert code == 0, text
     results = json.loads((out / "results.json").read_text())
     assert results["mismatches"] == [] and results["environment"]["device"] == "cpu"
-    labels = script.DEFAULT_METHODS.split(",")
-    assert list(results["summary"]["overall"]) == labels
+    labels = [label for label in script.DEFAULT_METHODS.split(",") if label not in results["unavailable"]]
+    assert list(results["summary"]["overall"]) == labels and "freespec" in labels
     assert results["summary"]["overall"]["vanilla"]["tau"] == 1.0
     assert "Overall" in text and "freespec:recycle" in text
+
+
+def test_a_bfloat16_difference_fails_only_with_require_identical(tmp_path, tiny_model, monkeypatch):  # noqa: F811
+    """As in freespec bench: a greedy output that differs from plain decoding fails a float32 run; in bfloat16,
+    where a tree's shape changes rounding, it is reported and fails only with --require-identical."""
+    script = _load_script()
+    compare = script.compare
+
+    def with_a_difference(*args, **kwargs):
+        results = compare(*args, **kwargs)
+        results["mismatches"].append({"prompt_index": 0, "row": 0, "item_id": "1", "turn": 0, "method": "freespec",
+                                       "reference": "vanilla", "first_difference": 2, "len": 6, "reference_len": 6})
+        return results
+
+    monkeypatch.setattr(script, "compare", with_a_difference)
+    base = ["--model", "tiny", "--device", "cpu", "--dataset", str(_dataset(tmp_path)), "--methods",
+            "vanilla,freespec", "--max-new-tokens", "6", "--no-cost-probe"]
+    assert script.main(base + ["--dtype", "float32"]) == 1
+    assert script.main(base + ["--dtype", "bfloat16"]) == 0
+    assert script.main(base + ["--dtype", "bfloat16", "--require-identical"]) == 1
