@@ -139,3 +139,37 @@ def test_greedy_choice_is_torch_argmax(dtype):
     for row in rows:
         row = row.to(dtype)
         assert choose_token(row, do_sample=False) == int(torch.argmax(row, dim=-1))
+
+
+def test_plain_stop_rule_answers_as_the_criteria_objects_do():
+    """The engine's shortcut for the criteria plain generate() builds (max length, EOS) gives the objects' answer
+    for every length and last token; past max_position_embeddings, or with any other criterion, it steps aside."""
+    from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, StoppingCriteria,
+                                                           StoppingCriteriaList)
+
+    from freespec.engine import PlainStopRule
+
+    criteria = StoppingCriteriaList([MaxLengthCriteria(12, max_position_embeddings=10), EosTokenCriteria([3, 7])])
+    rule = PlainStopRule.of(criteria)
+    assert rule == PlainStopRule(12, frozenset({3, 7}), 10)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        ids = rng.integers(0, 9, size=int(rng.integers(1, 14))).tolist()
+        if not rule.applies(len(ids)):
+            assert len(ids) > 10
+            continue
+        expected = bool(criteria(torch.tensor([ids]), None).any())
+        assert rule.stops(len(ids), ids[-1]) == expected, ids
+    one_eos = PlainStopRule.of(StoppingCriteriaList([EosTokenCriteria(torch.tensor(5))]))
+    assert one_eos == PlainStopRule(None, frozenset({5}), None) and one_eos.applies(10 ** 6)
+    assert PlainStopRule.of(StoppingCriteriaList([])) == PlainStopRule(None, frozenset(), None)
+
+    class Mine(MaxLengthCriteria):
+        pass
+
+    class Custom(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    assert PlainStopRule.of(StoppingCriteriaList([Mine(5)])) is None
+    assert PlainStopRule.of(StoppingCriteriaList([EosTokenCriteria(2), Custom()])) is None
