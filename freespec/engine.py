@@ -192,7 +192,7 @@ class LogitsBuffer:
     the conversion was 7.7 ms of the 13 ms per forward spent outside forwards). ``release`` gives it back
     and frees it when it grew past ``KEEP_BYTES`` (64 MB: 64 rows of a 152k vocabulary fit; a large
     batch's buffer lives for its call only). A ``generate()`` inside another on the same thread (a
-    callback's) gets memory of its own. Threads never share one.
+    callback's) gets memory of its own. Threads never share one; a thread's buffer goes with the thread.
     """
 
     KEEP_BYTES = 64 << 20
