@@ -473,10 +473,11 @@ class SpeculativeDecoder:
 
         def should_stop(emitted: list[int], emitted_scores: list[torch.Tensor]) -> bool:
             """The stopping criteria, asked as plain decoding asks them (with its scores when it keeps them)."""
-            if len(row.sequence) + len(emitted) >= row.max_length:
+            length = len(row.sequence) + len(emitted)
+            if length >= row.max_length:
                 return True
-            if self.stop_rule is not None and self.stop_rule.applies(len(row.sequence) + len(emitted)):
-                return self.stop_rule.stops(len(row.sequence) + len(emitted), emitted[-1])
+            if self.stop_rule is not None and self.stop_rule.applies(length):
+                return self.stop_rule.stops(length, emitted[-1])
             ids = torch.tensor([row.sequence + emitted], dtype=torch.long, device=self.device)
             scores = tuple(row.out_scores) + tuple(s[None] for s in emitted_scores) if self.want_scores else None
             return bool(criteria(ids, scores).any())

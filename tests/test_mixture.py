@@ -189,7 +189,6 @@ def test_cost_model_prior_until_measured_and_monotone():
     assert np.all(np.diff(curve) >= 0) and curve[0] == 1.0
 
 
-
 def test_cost_model_keeps_its_curve_only_while_a_recompute_would_give_the_same():
     """``add`` keeps the cached curve when a pinned width's median does not move (a simulated machine charges
     the same time each forward); after every add it equals a curve recomputed from scratch."""
@@ -206,6 +205,7 @@ def test_cost_model_keeps_its_curve_only_while_a_recompute_would_give_the_same()
         model._curve = None
         np.testing.assert_array_equal(cached, model.curve(), err_msg=f"step {step}, width {width}")
     assert kept > 100  # the cache was kept, not only rebuilt
+
 
 def test_calibration_learns_synthetic_outcomes():
     calibrator = AcceptanceCalibrator()
