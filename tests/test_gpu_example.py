@@ -32,7 +32,8 @@ def test_runs_on_cpu_with_the_default_methods(tmp_path, tiny_model, capsys):  # 
 
 
 def test_a_bfloat16_difference_fails_only_with_require_identical(tmp_path, tiny_model, monkeypatch):  # noqa: F811
-    """As in freespec bench: a greedy output that differs from plain decoding fails a float32 run; in bfloat16,
+    """As in freespec bench: a greedy output that differs from plain decoding fails a float32 run (unless
+    --allow-mismatch); in bfloat16,
     where a tree's shape changes rounding, it is reported and fails only with --require-identical."""
     script = _load_script()
     compare = script.compare
@@ -47,5 +48,6 @@ def test_a_bfloat16_difference_fails_only_with_require_identical(tmp_path, tiny_
     base = ["--model", "tiny", "--device", "cpu", "--dataset", str(_dataset(tmp_path)), "--methods",
             "vanilla,freespec", "--max-new-tokens", "6", "--no-cost-probe"]
     assert script.main(base + ["--dtype", "float32"]) == 1
+    assert script.main(base + ["--dtype", "float32", "--allow-mismatch"]) == 0
     assert script.main(base + ["--dtype", "bfloat16"]) == 0
     assert script.main(base + ["--dtype", "bfloat16", "--require-identical"]) == 1
