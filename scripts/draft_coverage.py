@@ -33,27 +33,23 @@ from pathlib import Path
 
 import numpy as np
 
+from freespec.tree import follow, node_depths
+
 NGRAM_ORDERS = (4, 3, 2, 1)
 NGRAM_TOP = 8
 
 
-def _children(token_ids, parents, usable=None) -> dict:
-    out: dict[int, dict[int, int]] = collections.defaultdict(dict)
-    for i, (token, parent) in enumerate(zip(np.asarray(token_ids).tolist(), np.asarray(parents).tolist())):
-        if usable is None or usable[i]:
-            out[parent].setdefault(token, i)  # the first of equal siblings: candidates precede the window
-    return out
-
-
 def matched(token_ids, parents, truth, usable=None) -> int:
-    """Tokens of ``truth`` a greedy walk down the tree accepts (``usable``: which nodes it may enter)."""
-    children, node, depth = _children(token_ids, parents, usable), -1, 0
-    for token in truth:
-        node = children[node].get(int(token))
-        if node is None:
-            break
-        depth += 1
-    return depth
+    """Tokens of ``truth`` a greedy walk down the tree accepts (``tree.follow``; ``usable``: which nodes it may
+    enter). Of equal siblings the first counts (candidates precede the window), as a verified tree's siblings are
+    distinct."""
+    usable = np.ones(len(token_ids), bool) if usable is None else np.array(usable, bool)
+    seen = set()
+    for i, sibling in enumerate(zip(np.asarray(parents).tolist(), np.asarray(token_ids).tolist())):
+        if usable[i]:
+            usable[i] = sibling not in seen
+            seen.add(sibling)
+    return len(follow(parents, token_ids, truth, usable))
 
 
 class NgramCounts:
@@ -112,9 +108,8 @@ def coverage(steps: list[dict], finals: dict) -> dict:
             totals["ngram_has_it"] += truth[0] in ngrams.top(final[: step["context"]])
         if pool_probs is not None:
             on_path = np.zeros(len(pool_ids), bool)
-            depth = np.zeros(len(pool_ids), np.int64)
+            depth = node_depths(pool_parents)
             for i, (token, parent) in enumerate(zip(np.asarray(pool_ids).tolist(), np.asarray(pool_parents).tolist())):
-                depth[i] = 1 if parent < 0 else depth[parent] + 1
                 parent_on = parent < 0 or on_path[parent]
                 if not parent_on or depth[i] > len(truth):
                     continue
