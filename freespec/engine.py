@@ -222,7 +222,10 @@ class LogitsBuffer:
     def fill(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` as float32, in the buffer (grown to the next power of two of elements when too small)."""
         size = logits.numel()
-        if self._data is None or self._data.numel() < size or self._data.device != logits.device:
+        # An inference tensor cannot be written outside inference mode: memory made under
+        # torch.inference_mode() (a caller's, or a benchmark's) is remade when the mode differs.
+        if (self._data is None or self._data.numel() < size or self._data.device != logits.device
+                or self._data.is_inference() != torch.is_inference_mode_enabled()):
             self._data = torch.empty(1 << max(0, size - 1).bit_length(), dtype=torch.float32, device=logits.device)
         view = self._data[:size].view(logits.shape)
         view.copy_(logits)

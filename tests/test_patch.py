@@ -204,6 +204,19 @@ def test_logits_buffer_is_kept_per_thread_across_calls_and_never_shared(model, m
     assert seen[-1] is seen[0] and seen[0]._data is None  # too large to keep
 
 
+def test_generate_inside_then_outside_inference_mode(model):
+    """A thread's kept buffer made under torch.inference_mode() holds an inference tensor, which cannot be
+    written outside it: a later call outside (and one inside again) still decodes as plain decoding does."""
+    plain = model.generate(PROMPT, max_new_tokens=8, do_sample=False)
+    freespec.patch(model, drafter="prompt_lookup", drafter_options={"min_match": 1})
+    with torch.inference_mode():
+        inside = model.generate(PROMPT, max_new_tokens=8, do_sample=False)
+    outside = model.generate(PROMPT, max_new_tokens=8, do_sample=False)
+    with torch.inference_mode():
+        again = model.generate(PROMPT, max_new_tokens=8, do_sample=False)
+    assert inside.tolist() == outside.tolist() == again.tolist() == plain.tolist()
+
+
 def test_drafter_instance_is_reused_across_calls(model):
     from freespec.drafters.prompt_lookup import PromptLookupDrafter
 
