@@ -79,10 +79,7 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--threads", type=int, help="torch.set_num_threads(N) (default: torch's choice)")
     bench.add_argument("--save-traces", action="store_true",
                        help="write traces.jsonl (prompt ids, greedy output ids, category) for freespec replay")
-    bench.add_argument("--allow-mismatch", action="store_true",
-                       help="exit 0 even if a greedy output differs from vanilla in float32/float64 (still reported)")
-    bench.add_argument("--require-identical", action="store_true",
-                       help="exit 1 if a greedy output differs from vanilla in bfloat16/float16 too")
+    add_mismatch_arguments(bench)
     bench.add_argument("--no-warmup", action="store_true", help="skip the warm-up generate() of each method")
     bench.add_argument("--simulate", metavar="PATH|PAIRS",
                        help="simulate another machine live: every target forward is charged c(k) x the one-token "
@@ -241,8 +238,7 @@ def _bench_inputs(args):
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.allow_mismatch and args.require_identical:
-        raise ValueError("--allow-mismatch and --require-identical contradict each other: give one")
+    check_mismatch_arguments(args)
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     return methods, categories, load_dataset(args.dataset, limit=args.limit, categories=categories)
 
@@ -293,6 +289,21 @@ def _write_bench_outputs(args, results: dict, run) -> int:
               file=sys.stderr)
         return EXIT_MISMATCH
     return 0
+
+
+def add_mismatch_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--allow-mismatch`` and ``--require-identical``, read by ``mismatch_fails`` (``freespec bench``,
+    ``examples/gpu/compare.py``)."""
+    parser.add_argument("--allow-mismatch", action="store_true",
+                        help="exit 0 even if a greedy output differs from vanilla in float32/float64 (still reported)")
+    parser.add_argument("--require-identical", action="store_true",
+                        help="exit 1 if a greedy output differs from vanilla in bfloat16/float16 too")
+
+
+def check_mismatch_arguments(args) -> None:
+    """ValueError when both ``--allow-mismatch`` and ``--require-identical`` are given."""
+    if args.allow_mismatch and args.require_identical:
+        raise ValueError("--allow-mismatch and --require-identical contradict each other: give one")
 
 
 def mismatch_fails(args) -> bool:

@@ -4,6 +4,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from test_bench import _dataset, tiny_model  # noqa: F401  (a pytest fixture)
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "gpu" / "compare.py"
@@ -31,10 +33,10 @@ def test_runs_on_cpu_with_the_default_methods(tmp_path, tiny_model, capsys):  # 
     assert "Overall" in text and "freespec:recycle" in text
 
 
-def test_a_bfloat16_difference_fails_only_with_require_identical(tmp_path, tiny_model, monkeypatch):  # noqa: F811
+def test_a_bfloat16_difference_fails_only_with_require_identical(tmp_path, tiny_model, monkeypatch, capsys):  # noqa: F811
     """As in freespec bench: a greedy output that differs from plain decoding fails a float32 run (unless
-    --allow-mismatch); in bfloat16,
-    where a tree's shape changes rounding, it is reported and fails only with --require-identical."""
+    --allow-mismatch); in bfloat16, where a tree's shape changes rounding, it is reported and fails only with
+    --require-identical. Both flags together are refused, naming them."""
     script = _load_script()
     compare = script.compare
 
@@ -51,3 +53,7 @@ def test_a_bfloat16_difference_fails_only_with_require_identical(tmp_path, tiny_
     assert script.main(base + ["--dtype", "float32", "--allow-mismatch"]) == 0
     assert script.main(base + ["--dtype", "bfloat16"]) == 0
     assert script.main(base + ["--dtype", "bfloat16", "--require-identical"]) == 1
+    with pytest.raises(SystemExit) as refused:
+        script.main(base + ["--allow-mismatch", "--require-identical"])
+    assert refused.value.code == 2
+    assert "--allow-mismatch and --require-identical contradict" in capsys.readouterr().err

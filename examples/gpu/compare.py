@@ -18,7 +18,8 @@ drafter, where arctic-inference is installed) on the same prompts in one
 process, interleaved per prompt, compares greedy outputs with plain decoding
 (in float32 a difference fails the run unless ``--allow-mismatch``; in
 bfloat16/float16, where a tree's shape changes rounding, differences are
-reported and fail it only with ``--require-identical``, as in ``freespec bench``), and prints tau, tokens/s and speedups per category and the
+reported and fail it only with ``--require-identical``, as in ``freespec
+bench``), and prints tau, tokens/s and speedups per category and the
 measured cost curve c(k) (the ``freespec bench`` report; results.json and
 results.md go to ``--out``).
 Everything runs on ``--device`` (``cuda``, ``cuda:1``, or ``cpu`` to try it
@@ -78,6 +79,8 @@ def compare(model, tokenizer, dataset: str, methods: str = DEFAULT_METHODS, limi
 
 
 def main(argv: list[str] | None = None) -> int:
+    from freespec.cli import add_mismatch_arguments, check_mismatch_arguments, mismatch_fails
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2.5-coder-0.5b", help="registered name or local path")
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: %(default)s)")
@@ -88,17 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", help="write results.json and results.md here")
     parser.add_argument("--no-cost-probe", action="store_true", help="skip measuring the cost curve c(k) first")
-    parser.add_argument("--allow-mismatch", action="store_true",
-                        help="exit 0 even if a greedy output differs from plain decoding in float32 (still reported)")
-    parser.add_argument("--require-identical", action="store_true",
-                        help="exit 1 if a greedy output differs from plain decoding in bfloat16/float16 too")
+    add_mismatch_arguments(parser)
     args = parser.parse_args(argv)
+    try:
+        check_mismatch_arguments(args)
+    except ValueError as error:
+        parser.error(str(error))
 
     import torch
 
     from freespec import models
     from freespec.bench.report import console_report
-    from freespec.cli import mismatch_fails
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: torch sees no CUDA device (use --device cpu to try it here)")
