@@ -77,11 +77,11 @@ def coverage(steps: list[dict], finals: dict) -> dict:
     totals = collections.Counter()
     by_source: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0, 0.0])
     ngrams, seen = NgramCounts(), {}
+    finals = {request: list(map(int, final)) for request, final in finals.items()}
     for step in steps:
         final = finals.get(step["request"])
         if final is None or step["context"] > len(final):
             continue
-        final = list(map(int, final))
         start = seen.get(step["request"], 0)
         ngrams.add(final, start, step["context"])
         seen[step["request"]] = step["context"]
