@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import json
 import statistics
+import zlib
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 
 WIDTH_BANDS = ((1, 1), (2, 8), (9, 16), (17, 32), (33, 64), (65, None))  # forward widths, inclusive; None: no end
@@ -426,79 +427,131 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
             "!!! plots not written: matplotlib is not installed (pip install 'freespec[bench]')")
         return []
     summary = results["summary"]
-    categories = list(summary["per_category"]) + ["overall"]
     per = dict(summary["per_category"], overall=summary["overall"])
     labels = list(summary["overall"])
+    regime = regime_title(results)
     written = []
-
-    def grouped_bars(methods, value_of, ylabel, title, filename, baseline=None):
-        fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(categories) * max(1, len(methods)) + 2) + 4, 4.5))
-        width = 0.8 / max(1, len(methods))
-        for j, label in enumerate(methods):
-            xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(categories))]
-            ys = [value_of(per[c][label]) or 0.0 for c in categories]
-            ax.bar(xs, ys, width, label=label)
-        if baseline is not None:
-            ax.axhline(baseline, color="black", linewidth=0.8, linestyle="--")
-        ax.set_xticks(range(len(categories)))
-        ax.set_xticklabels(categories, rotation=30, ha="right")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        fig.tight_layout()
-        path = out_dir / filename
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
-
-    model = results["config"]["model"]
     if summary["vanilla"]:
         speed_methods = [label for label in labels if label != summary["vanilla"]]
         if speed_methods:
-            simulated = " - SIMULATED forward costs (see results.md)" if results.get("simulated") else ""
-            grouped_bars(speed_methods, lambda m: (m["speedup_vs_vanilla"] or {}).get("median"),
-                         "speedup over vanilla (median per prompt)", f"Speedup by category ({model}){simulated}",
-                         "speedup_by_category.png", baseline=1.0)
-    grouped_bars(labels, lambda m: m["tau"], "tau (new tokens per forward)", f"tau by category ({model})",
-                 "tau_by_category.png", baseline=1.0)
+            speedups = {c: {m: (per[c][m]["speedup_vs_vanilla"] or {}).get("median") for m in speed_methods if m in per[c]}
+                        for c in per}
+            written.append(plot_category_bars(
+                plt, speedups, speed_methods, out_dir / "speedup_by_category.png",
+                f"Speedup over plain decoding by category\n{regime}", "tokens/s over vanilla (median per prompt)"))
+    taus = {c: {m: per[c][m]["tau"] for m in labels if m in per[c]} for c in per}
+    written.append(plot_category_bars(plt, taus, labels, out_dir / "tau_by_category.png",
+                                      f"tau by category\n{regime}", "tau (new tokens per target forward)", unit=""))
     written.append(plot_tau_distribution(plt, results, labels, out_dir / "tau_distribution.png"))
     if results.get("cost_curve"):
         written.append(plot_cost_curve(plt, results, out_dir / "cost_curve.png"))
     return written
 
 
+# One colour per method in every plot: the methods of the published tables by name, any other label by
+# the crc32 of its text, so a variant such as "freespec:mixture{ngram=true}" keeps its colour across runs.
+METHOD_COLOURS = {"vanilla": "#7f7f7f", "hf-pld": "#1f77b4", "freespec": "#d62728", "arctic-suffix": "#2ca02c"}
+OTHER_COLOURS = ("#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
+MACHINE_COLOURS = ("#222222", "#e6550d", "#6baed6", "#756bb1")  # cost curves: machines, not methods
+
+
+def method_colour(label: str) -> str:
+    """``method_colour("freespec") -> "#d62728"``; an unlisted label: one of OTHER_COLOURS, always the same."""
+    return METHOD_COLOURS.get(label) or OTHER_COLOURS[zlib.crc32(label.encode()) % len(OTHER_COLOURS)]
+
+
+def regime_title(results: dict) -> str:
+    """``qwen2.5-coder-0.5b, bfloat16, Intel Xeon ...`` and, under ``--simulate``, ``SIMULATED forward costs``."""
+    env, config = results.get("environment", {}), results["config"]
+    machine = env.get("gpu") or env.get("cpu_model") or "unknown machine"
+    simulated = ", SIMULATED forward costs" if results.get("simulated") else ""
+    return f"{config['model']}, {config.get('dtype', 'float32')}, {machine}{simulated}"
+
+
+def plot_category_bars(plt, values: Mapping[str, Mapping[str, float | None]], methods: Sequence[str], path: Path,
+                       title: str, xlabel: str, unit: str = "x") -> Path:
+    """Horizontal bars, one group per category (top to bottom, as given) and one bar per method, each
+    annotated with its value; a log axis, so one category at 8x does not flatten the others at 1.3x.
+    ``values[category][method]`` (None or missing: no bar). A dashed line marks 1 (plain decoding)."""
+    categories, num_methods = list(values), max(1, len(methods))
+    bar = 0.8 / num_methods
+    fig, ax = plt.subplots(figsize=(8.0, min(11.0, 1.8 + 0.12 * len(categories) * num_methods + 0.1 * len(categories))))
+    shown = []
+    for j, method in enumerate(methods):
+        ys, xs = [], []
+        for i, category in enumerate(categories):
+            value = values[category].get(method)
+            if value is not None and value > 0:
+                ys.append(i + (j - (num_methods - 1) / 2) * bar)
+                xs.append(value)
+        ax.barh(ys, xs, bar, color=method_colour(method), label=method)
+        for y, x in zip(ys, xs):
+            ax.annotate(f"{x:.2f}{unit}", (x, y), xytext=(2, 0), textcoords="offset points", va="center",
+                        fontsize=6)
+        shown += xs
+    ax.set_xscale("log")
+    low, high = min(shown + [1.0]), max(shown + [1.0])
+    ax.set_xlim(low / 1.15, high * 1.45)  # room for the labels at the bars' ends
+    ticks = [t for t in (0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32) if low / 1.15 <= t <= high * 1.45]
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([f"{t:g}{unit}" for t in ticks])
+    ax.minorticks_off()
+    ax.axvline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_yticks(range(len(categories)))
+    ax.set_yticklabels(categories)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.legend(fontsize="small", loc="lower right")
+    return _save(plt, fig, ax, title, path)
+
+
 def plot_tau_distribution(plt, results: dict, labels: list[str], path: Path) -> Path:
     """A box per method of its per-prompt tau."""
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(labels) + 2), 4.5))
     data = [[p["methods"][label]["tau"] for p in results["prompts"] if label in p["methods"]] for label in labels]
-    ax.boxplot(data, showmeans=True)
+    boxes = ax.boxplot(data, showmeans=True, patch_artist=True)
+    for box, label in zip(boxes["boxes"], labels):
+        box.set_facecolor(method_colour(label))
+        box.set_alpha(0.6)
     ax.set_xticks(range(1, len(labels) + 1))
     ax.set_xticklabels(labels, rotation=20, ha="right")
     ax.set_ylabel("tau per prompt")
-    ax.set_title(f"Distribution of per-prompt tau ({results['config']['model']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, f"Distribution of per-prompt tau\n{regime_title(results)}", path)
 
 
 def plot_cost_curve(plt, results: dict, path: Path) -> Path:
-    """c(k) against k (log2 axis), the one-token time and the machine in the title."""
+    """The run's probe: c(k) against k, the one-token time and the machine in the legend."""
     cost_curve, env = results["cost_curve"], results["environment"]
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    ax.plot(cost_curve["sizes"], cost_curve["ratios"], marker="o")
-    for k, ratio, ms in zip(cost_curve["sizes"], cost_curve["ratios"], cost_curve["ms"]):
-        ax.annotate(f"{ms:.0f} ms", (k, ratio), textcoords="offset points", xytext=(0, 6), ha="center",
-                    fontsize="x-small")
+    machine = env.get("gpu") or env.get("cpu_model", "?")
+    label = f"{machine} ({cost_curve['ms'][0]:.1f} ms at k=1)"
+    title = (f"Cost of a forward: {results['config']['model']}, {cost_curve['dtype']}, {_threads(cost_curve)}, "
+             f"over {cost_curve['prefix_tokens']} cached tokens")
+    return plot_cost_curves(plt, {label: (cost_curve["sizes"], cost_curve["ratios"])}, path, title)
+
+
+def plot_cost_curves(plt, curves: Mapping[str, tuple[Sequence[int], Sequence[float]]], path: Path,
+                     title: str) -> Path:
+    """c(k) against k (log2 axis) for each machine: ``curves[label] = (sizes, ratios)``, ratios relative to
+    k=1. A flat curve (AMX or a GPU in bfloat16) is where wide draft trees pay; a dashed line marks 1."""
+    fig, ax = plt.subplots(figsize=(7.0, 4.5))
+    sizes = sorted({k for ks, _ in curves.values() for k in ks if k & (k - 1) == 0})  # 17 and 33 unlabelled
+    for i, (label, (ks, ratios)) in enumerate(curves.items()):
+        ax.plot(ks, ratios, marker="o", markersize=4, label=label, color=MACHINE_COLOURS[i % len(MACHINE_COLOURS)])
     ax.set_xscale("log", base=2)
-    ax.set_xticks(cost_curve["sizes"])
-    ax.set_xticklabels([str(k) for k in cost_curve["sizes"]])
+    ax.set_xticks(sizes)
+    ax.set_xticklabels([str(k) for k in sizes], fontsize="small")
+    ax.minorticks_off()
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_ylim(bottom=0)
-    ax.set_xlabel(f"tokens fed (over {cost_curve['prefix_tokens']} cached)")
+    ax.set_xlabel("k: tokens fed to one forward")
     ax.set_ylabel("c(k): forward time / one-token forward time")
-    ax.set_title(f"Cost of a forward: {results['config']['model']}, {cost_curve['dtype']}, "
-                 f"{_threads(cost_curve)}\n{env.get('gpu') or env.get('cpu_model', '?')}", fontsize="medium")
+    ax.legend(fontsize="small", loc="upper left")
+    return _save(plt, fig, ax, title, path)
+
+
+def _save(plt, fig, ax, title: str, path: Path) -> Path:
+    """Title, layout, a 120-dpi PNG at ``path``; the figure closed."""
+    ax.set_title(title, fontsize="medium")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
