@@ -450,8 +450,9 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
 
 # One colour per method in every plot: the methods of the published tables by name, any other label by
 # the crc32 of its text, so a variant such as "freespec:mixture{ngram=true}" keeps its colour across runs.
-METHOD_COLOURS = {"vanilla": "#7f7f7f", "hf-pld": "#1f77b4", "freespec": "#d62728", "arctic-suffix": "#2ca02c"}
-OTHER_COLOURS = ("#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
+METHOD_COLOURS = {"vanilla": "#7f7f7f", "hf-pld": "#1f77b4", "freespec": "#d62728", "arctic-suffix": "#2ca02c",
+                  "freespec:mixture{recycle=false}": "#ff7f0e", "freespec:recycle": "#9467bd"}
+OTHER_COLOURS = ("#8c564b", "#e377c2", "#bcbd22", "#17becf", "#393b79", "#637939")
 MACHINE_COLOURS = ("#222222", "#e6550d", "#6baed6", "#756bb1")  # cost curves: machines, not methods
 
 
@@ -475,7 +476,8 @@ def plot_category_bars(plt, values: Mapping[str, Mapping[str, float | None]], me
     ``values[category][method]`` (None or missing: no bar). A dashed line marks 1 (plain decoding)."""
     categories, num_methods = list(values), max(1, len(methods))
     bar = 0.8 / num_methods
-    fig, ax = plt.subplots(figsize=(8.0, min(11.0, 1.8 + 0.12 * len(categories) * num_methods + 0.1 * len(categories))))
+    height = min(10.0, 1.8 + 0.09 * len(categories) * num_methods + 0.1 * len(categories))  # inches
+    fig, ax = plt.subplots(figsize=(8.0, height))
     shown = []
     for j, method in enumerate(methods):
         ys, xs = [], []
@@ -501,7 +503,8 @@ def plot_category_bars(plt, values: Mapping[str, Mapping[str, float | None]], me
     ax.set_yticklabels(categories)
     ax.invert_yaxis()
     ax.set_xlabel(xlabel)
-    ax.legend(fontsize="small", loc="lower right")
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.55 / (height - 1.2)), ncol=min(3, num_methods),
+              frameon=False)  # below the axes: never over a bar
     return _save(plt, fig, ax, title, path)
 
 
@@ -553,6 +556,6 @@ def _save(plt, fig, ax, title: str, path: Path) -> Path:
     """Title, layout, a 120-dpi PNG at ``path``; the figure closed."""
     ax.set_title(title, fontsize="medium")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
