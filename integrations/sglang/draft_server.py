@@ -16,11 +16,12 @@ its matches), so the plugin also hooks the worker's ``_prepare_draft_tokens``
 to ``offer_contexts``: references to each request's full prompt + output,
 read only when a request starts or restarts.
 
-Per-request state, keyed by ``req_id``: the host's length the drafter is synced
-to and the host's last tokens. At each ``batch_get``, with ``k`` the synced
-length and ``n`` the new total length, the tail's last ``n - k`` tokens are the
-newly committed ones (``drafter.extend``), once the rest of the tail lines up
-with what the drafter holds. Worked example, ``max_trie_depth=4``::
+Per-request state, keyed by ``req_id``, follows SGLang's requests through
+``freespec.integrations.host_requests.HostRequests`` (the lifecycle shared with
+the vLLM adapter): at each ``batch_get``, with ``k`` the synced length and ``n``
+the new total length, the tail's last ``n - k`` tokens are the newly committed
+ones (``drafter.extend``), once the rest of the tail lines up with what the
+drafter holds. Worked example, ``max_trie_depth=4``::
 
     first sight: offered [5, 6, 7, 8, 9, 1, 2], tail [9, 1, 2, 3], total 8
                  -> start(rid, [5, 6, 7, 8, 9, 1, 2, 3])     # offered + last 1
@@ -51,13 +52,13 @@ started and stopped in batch order, never in set or hash order).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
 from freespec.draft import Budget, Draft
 
+from ..host_requests import HostRequests
 from . import options as plugin_options
 from .external import ExternalCorpora
 from .tree_format import write_sglang_trees
@@ -68,12 +69,6 @@ logger = logging.getLogger(__name__)
 SGLANG_PAD_START = 1_000_000
 LOG_EVERY = 2000  # decode steps between two "freespec: served" log lines
 _EMPTY = Draft.empty()
-
-
-@dataclass
-class _Request:
-    num_tokens: int  # host's sequence length (prompt + output) the drafter is synced to
-    recent_ids: list  # the host's last tokens, ending at num_tokens
 
 
 def _last_tokens(prompt_ids, output_ids, count: int) -> list:
@@ -139,13 +134,11 @@ class DraftServer:
         self.external_corpus_max_tokens = int(external_corpus_max_tokens)
         self.token_bound = SGLANG_PAD_START  # no id >= this is drafted (set_vocab_size: the vocabulary size)
         self.vocab_size: int | None = None
-        self.num_restarts = 0  # requests restarted because their tail did not line up
         self.num_steps = self.num_rows = self.num_drafted = 0  # batch_get calls, requests, drafted nodes
         self._budget = Budget(self.draft_token_num - 1, self.draft_token_num - 1)
-        self._requests: dict[Hashable, _Request] = {}  # insertion order = batch order (deterministic)
         self._offered: dict[Hashable, tuple] = {}  # req_id -> (host prompt, output, drafting prompt)
         self._external = ExternalCorpora()
-        self.drafter = self._build_drafter()
+        self._requests = HostRequests(self._build_drafter(), self._draftable)
         write_sglang_trees([_EMPTY], [0], self.draft_token_num)  # compile the kernel now, not at a decode step
         self.drafter.warmup()
         logger.info("freespec: NGRAM drafts come from drafter %r %s (D=%d)", self.drafter_name,
@@ -163,9 +156,25 @@ class DraftServer:
         self.vocab_size = self.token_bound = int(vocab_size)
 
     @property
+    def drafter(self):
+        """The drafter serving the drafts."""
+        return self._requests.drafter
+
+    @drafter.setter
+    def drafter(self, drafter) -> None:
+        if len(self._requests):
+            raise ValueError(f"the drafter can be replaced only while no request is live ({len(self._requests)} are)")
+        self._requests = HostRequests(drafter, self._draftable)
+
+    @property
     def num_live_requests(self) -> int:
         """Requests whose drafter state is held."""
         return len(self._requests)
+
+    @property
+    def num_restarts(self) -> int:
+        """Requests restarted because their tail did not line up with what the drafter held."""
+        return self._requests.num_restarts
 
     # ------------------------------------------------------------ worker API
     def batch_get(
@@ -179,7 +188,7 @@ class DraftServer:
             raise ValueError(f"batch_get got {len(req_ids)} req_ids, {len(batch_tokens)} token lists "
                              f"and {len(total_lens)} lengths")
         self._external.poll()
-        self._release_absent(req_ids)
+        self._requests.release_absent(req_ids)
         drafts, root_ids = [], []
         for req_id, tail, total_len in zip(req_ids, batch_tokens, total_lens):
             tail = list(tail) if isinstance(tail, list) else np.asarray(tail).reshape(-1).tolist()
@@ -223,15 +232,13 @@ class DraftServer:
     def erase_match_state(self, req_ids: Iterable[Hashable]) -> None:
         """Requests that left the decode batch: ``drafter.stop`` them (a later return restarts)."""
         leaving = set(req_ids)
-        for req_id in [r for r in self._requests if r in leaving]:  # batch order, not set order
-            self._stop(req_id)
+        self._requests.release([r for r in self._requests.ids() if r in leaving])  # batch order, not set order
         for req_id in leaving:
             self._offered.pop(req_id, None)
 
     def reset(self) -> None:
         """Forget every request and what the drafter learned; external corpora stay (as in SGLang)."""
-        for req_id in list(self._requests):
-            self._stop(req_id)
+        self._requests.release_all()
         self._offered.clear()
         self.drafter = self._build_drafter()
 
@@ -273,18 +280,6 @@ class DraftServer:
                         "%d live requests, %d restarts", self.drafter_name, self.num_steps,
                         self.num_drafted / max(1, self.num_rows), len(self._requests), self.num_restarts)
 
-    def _stop(self, req_id: Hashable) -> None:
-        del self._requests[req_id]
-        self.drafter.stop(req_id)
-
-    def _release_absent(self, req_ids: Sequence[Hashable]) -> None:
-        """Stop requests missing from this decode batch (they finished, were aborted or retracted)."""
-        if not self._requests:
-            return
-        present = set(req_ids)
-        for req_id in [r for r in self._requests if r not in present]:  # batch order, not set order
-            self._stop(req_id)
-
     def _draftable(self, ids: list | np.ndarray):
         """``ids`` with every id at or above ``token_bound`` replaced by ``token_bound`` (as they are when none is)."""
         if len(ids) == 0 or (ids.max() if isinstance(ids, np.ndarray) else max(ids)) < self.token_bound:
@@ -293,20 +288,10 @@ class DraftServer:
 
     def _sync(self, req_id: Hashable, tail: list, total_len: int) -> None:
         """Bring the drafter's context of ``req_id`` to ``total_len`` host tokens ending in ``tail``."""
-        request = self._requests.get(req_id)
-        if request is not None:
-            num_new = total_len - request.num_tokens
-            keep = len(tail) - num_new
-            overlap = min(keep, len(request.recent_ids))
-            if 0 <= num_new <= len(tail) and request.recent_ids[len(request.recent_ids) - overlap:] == \
-                    tail[keep - overlap:keep]:
-                if num_new:
-                    self.drafter.extend(req_id, self._draftable(tail[keep:]))
-                    request.num_tokens, request.recent_ids = total_len, tail
-                return
-            self._stop(req_id)
-            self.num_restarts += 1
         offered = self._offered.pop(req_id, None)
-        context = _offered_context(offered, tail, total_len) if offered is not None else None
-        self.drafter.start(req_id, self._draftable(tail if context is None else context))
-        self._requests[req_id] = _Request(total_len, tail)
+
+        def context():
+            known = _offered_context(offered, tail, total_len) if offered is not None else None
+            return tail if known is None else known
+
+        self._requests.sync(req_id, tail, total_len, context)

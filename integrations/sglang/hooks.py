@@ -23,6 +23,7 @@ import os
 import pkgutil
 import sys
 
+from ..host_options import parse_version
 from . import options as plugin_options
 from .draft_server import DraftServer
 
@@ -61,21 +62,6 @@ def import_sglang():
     except ImportError as exc:
         raise ImportError(f"the freespec SGLang plugin needs sglang: pip install freespec[sglang] ({exc})") from None
     return sglang
-
-
-def parse_version(text: str) -> tuple[int, ...]:
-    """``"0.5.21" -> (0, 5, 21)``, ``"0.5.21.post1" -> (0, 5, 21)``, ``"0.5.22rc0" -> (0, 5, 22)``."""
-    parts = []
-    for piece in text.split(".")[:3]:
-        digits = ""
-        for char in piece:
-            if not char.isdigit():
-                break
-            digits += char
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
 
 
 def check_version(version: str, environ=os.environ) -> None:
