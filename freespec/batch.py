@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .draft import Draft
+from .transfer import Upload
 from .tree import tree_attention
 
 
@@ -65,6 +66,7 @@ class KVLayout:
     def __init__(self, batch_size: int):
         self.positions = np.zeros((batch_size, 0), np.int64)
         self.ends = np.zeros(batch_size, np.int64)
+        self._pending: list[_CacheMoves] = []  # cache moves made in the layout, not yet in the tensors
 
     @classmethod
     def of_text(cls, length: int) -> "KVLayout":
@@ -90,6 +92,13 @@ class KVLayout:
         The mask is ``[B, 1, W, P + W]`` (a dict of them per layer type for models
         that take one per type), boolean for sdpa, additive for eager.
         """
+        upload = Upload()
+        build = self.queue_inputs(traits, rows, pad_token_id, upload)
+        return build(upload.send(device))
+
+    def queue_inputs(self, traits, rows: list[RowStep], pad_token_id: int, upload: Upload):
+        """``inputs`` in two halves: the host arrays go into ``upload`` now; the returned function takes
+        ``upload.send(device)`` and returns ``(input_ids, attention_mask, position_ids)`` on the device."""
         width = max(row.num_fed for row in rows)
         input_ids = np.full((len(rows), width), pad_token_id, np.int64)
         position_ids = np.empty((len(rows), width), np.int64)
@@ -99,9 +108,16 @@ class KVLayout:
         masks = {}
         for layer_type, window in traits.layer_windows.items():
             allowed = np.stack([self._row_mask(row, r, width, position_ids[r], window) for r, row in enumerate(rows)])
-            masks[layer_type] = _as_host_mask(torch.from_numpy(allowed).to(device)[:, None], traits)
-        mask = masks if traits.per_layer_type_masks and len(masks) > 1 else next(iter(masks.values()))
-        return (torch.from_numpy(input_ids).to(device), mask, torch.from_numpy(position_ids).to(device))
+            masks[layer_type] = upload.add(allowed[:, None])
+        ids_index, positions_index = upload.add(input_ids), upload.add(position_ids)
+
+        def build(sent: list[torch.Tensor]):
+            device_masks = {layer_type: _as_host_mask(sent[index], traits) for layer_type, index in masks.items()}
+            mask = (device_masks if traits.per_layer_type_masks and len(device_masks) > 1
+                    else next(iter(device_masks.values())))
+            return sent[ids_index], mask, sent[positions_index]
+
+        return build
 
     def _row_mask(self, row: RowStep, r: int, width: int, query_positions: np.ndarray, window) -> np.ndarray:
         """[W, P + W] bool: what each of row r's queries attends to."""
@@ -130,6 +146,7 @@ class KVLayout:
         so the text has no holes). Row 1 of ``[- - a b c | x y - - -]`` with 2 pads:
         slots 2..4, length 3, position i in slot i of the view.
         """
+        self.flush(cache)
         end = int(self.ends[r])
         start = min(int(start), end)  # before the prefill nothing is cached, pads included
         if not np.array_equal(self.positions[r, start:end], np.arange(end - start)):
@@ -137,8 +154,12 @@ class KVLayout:
         return RowCacheView(cache, r, start, end), end - start
 
     # ---------------------------------------------------------------- after the forward
-    def compact(self, cache, rows: list[RowStep], kept_nodes: list[list[int]]) -> None:
-        """Keep each row's pending tokens and ``kept_nodes``, moved to the end of its text; crop the rest."""
+    def compact(self, cache, rows: list[RowStep], kept_nodes: list[list[int]], defer: bool = False) -> None:
+        """Keep each row's pending tokens and ``kept_nodes``, moved to the end of its text; crop the rest.
+
+        The layout changes now; the cache's tensors now too, or with ``defer`` at the next ``flush``
+        (the engine's next forward makes the moves from the same upload as its inputs: one copy).
+        """
         width = max(row.num_fed for row in rows)
         start = self.length  # the forward's slots begin here
         row_index, src, dst = [], [], []
@@ -160,25 +181,51 @@ class KVLayout:
         for r, (end, positions) in enumerate(new_positions):
             grown[r, end: end + positions.shape[0]] = positions
         self.positions = grown
-        _move_and_crop(cache, row_index, src, dst, new_length)
+        self._queue(cache, _CacheMoves.of(row_index, src, dst, new_length), defer)
 
     def clear(self, cache) -> None:
         """Forget every row's cached text (a re-prefill follows)."""
         self.positions = self.positions[:, :0]
         self.ends[:] = 0
-        _move_and_crop(cache, [], [], [], 0)
+        self._queue(cache, _CacheMoves.of([], [], [], 0), defer=False)
 
-    def drop_rows(self, cache, keep: list[int]) -> None:
-        """Keep only the rows ``keep`` (finished rows stop costing compute)."""
+    def drop_rows(self, cache, keep: list[int], defer: bool = False) -> None:
+        """Keep only the rows ``keep`` (finished rows stop costing compute); the cache now, or at ``flush``."""
         self.positions = self.positions[keep]
         self.ends = self.ends[keep]
         new_length = int(self.ends.max()) if len(keep) else 0
         self.positions = self.positions[:, :new_length]
-        index = torch.tensor(keep, dtype=torch.long)
-        for layer in _layers(cache):
-            layer.keys = layer.keys[index.to(layer.keys.device)][..., :new_length, :]
-            layer.values = layer.values[index.to(layer.values.device)][..., :new_length, :]
+        self._queue(cache, _CacheMoves(np.asarray(keep, np.int64), False, new_length), defer)
 
+    def flush(self, cache, upload: Upload | None = None):
+        """Make the cache moves that ``compact`` / ``drop_rows`` deferred.
+
+        Without ``upload``, now (one copy of their indices to the device). With one, their indices go
+        into it and the returned function, given ``upload.send(device)``, makes them.
+        """
+        pending, self._pending = self._pending, []
+        if upload is None:
+            upload = Upload()
+            apply = self._queue_moves(cache, pending, upload)
+            apply(upload.send(_cache_device(cache)) if upload.arrays else [])
+            return None
+        return self._queue_moves(cache, pending, upload)
+
+    def _queue(self, cache, moves: "_CacheMoves", defer: bool) -> None:
+        self._pending.append(moves)
+        if not defer:
+            self.flush(cache)
+
+    @staticmethod
+    def _queue_moves(cache, pending: list["_CacheMoves"], upload: Upload):
+        """Each move's indices into ``upload`` (none for a crop alone); returns the function that makes them."""
+        indices = [upload.add(moves.indices) if moves.indices.size else None for moves in pending]
+
+        def apply(sent: list[torch.Tensor]) -> None:
+            for moves, index in zip(pending, indices):
+                moves.apply(cache, None if index is None else sent[index])
+
+        return apply
 
 class RowCacheView:
     """One row's slots ``[start, end)`` of a host cache: ``layers[i].keys`` / ``.values`` [1, heads, end - start, dim].
@@ -208,25 +255,55 @@ def _layers(cache):
             yield layer
 
 
-def _move_and_crop(cache, row_index: list[int], src: list[int], dst: list[int], new_length: int) -> None:
-    """Copy slot ``src[i]`` of row ``row_index[i]`` to its slot ``dst[i]`` (all at once), then crop to ``new_length``.
+@dataclass
+class _CacheMoves:
+    """One change of the cache's tensors: rows kept (``rows`` [k], ``slot_moves`` None) or slots moved
+    (``indices`` [3, m]: row, source slot, destination slot), then every layer cropped to ``new_length``."""
 
-    A pair whose slot does not move is skipped: the ``dst`` slots are distinct, so no other pair writes
-    it, and pairs read the slots as they were. A batch of one whose accepted nodes lead the draft (a chain
-    accepted from its first node, or nothing accepted) moves nothing and is only cropped.
-    """
-    moved = [(r, s, d) for r, s, d in zip(row_index, src, dst) if s != d]
-    row_index, src, dst = ([list(column) for column in zip(*moved)] if moved else ([], [], []))
-    rows = torch.tensor(row_index, dtype=torch.long)
-    src_slots, dst_slots = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
+    indices: np.ndarray  # [k] rows kept, or [3, m] (row, src, dst)
+    slot_moves: bool  # False: rows kept
+    new_length: int
+
+    @classmethod
+    def of(cls, row_index: list[int], src: list[int], dst: list[int], new_length: int) -> "_CacheMoves":
+        """Copy slot ``src[i]`` of row ``row_index[i]`` to its slot ``dst[i]`` (all at once), then crop.
+
+        A pair whose slot does not move is skipped: the ``dst`` slots are distinct, so no other pair writes
+        it, and pairs read the slots as they were. A batch of one whose accepted nodes lead the draft (a chain
+        accepted from its first node, or nothing accepted) moves nothing and is only cropped.
+        """
+        moved = [(r, s, d) for r, s, d in zip(row_index, src, dst) if s != d]
+        return cls(np.asarray(moved, np.int64).reshape(-1, 3).T.copy(), True, new_length)
+
+    def apply(self, cache, indices: torch.Tensor | None) -> None:
+        """``indices``: ``self.indices`` on the cache's device (None when it is empty)."""
+        for layer in _layers(cache):
+            if not self.slot_moves:
+                keep = slice(0, 0) if indices is None else indices
+                layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+            elif indices is not None:
+                rows, src, dst = indices
+                layer.keys[rows, :, dst] = layer.keys[rows, :, src]
+                layer.values[rows, :, dst] = layer.values[rows, :, src]
+            layer.keys = layer.keys[..., : self.new_length, :]
+            layer.values = layer.values[..., : self.new_length, :]
+
+
+def _move_and_crop(cache, row_index: list[int], src: list[int], dst: list[int], new_length: int) -> None:
+    """``_CacheMoves.of(...)`` made now (one copy of its indices to the cache's device)."""
+    moves = _CacheMoves.of(row_index, src, dst, new_length)
+    if not moves.indices.size:
+        moves.apply(cache, None)
+        return
+    upload = Upload()
+    index = upload.add(moves.indices)
+    moves.apply(cache, upload.send(_cache_device(cache))[index])
+
+
+def _cache_device(cache):
     for layer in _layers(cache):
-        device = layer.keys.device
-        r, s, d = rows.to(device), src_slots.to(device), dst_slots.to(device)
-        if r.numel():
-            layer.keys[r, :, d] = layer.keys[r, :, s]
-            layer.values[r, :, d] = layer.values[r, :, s]
-        layer.keys = layer.keys[..., :new_length, :]
-        layer.values = layer.values[..., :new_length, :]
+        return layer.keys.device
+    return "cpu"
 
 
 def _as_host_mask(allowed: torch.Tensor, traits) -> torch.Tensor:

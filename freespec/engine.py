@@ -41,9 +41,10 @@ import torch
 from .config import SpecConfig
 from .draft import Budget, Draft
 from .batch import KVLayout, RowStep, _move_and_crop
+from .transfer import Upload, fetch
 from .drafters.base import ForwardReport, VerifyOutput
 from .stats import SpecStats
-from .verify import Acceptance, accept_tree
+from .verify import Acceptance, TreeScoring, _default_generator, accept_tree, choose_token, processes_rows_alone
 
 _request_ids = itertools.count()
 
@@ -241,27 +242,44 @@ def forward_rows(model, traits: ModelTraits, cache, layout: KVLayout, rows: list
     until its next use). The cache grows by the forward's width W for every row
     (``KVLayout.compact`` keeps what verification accepts).
     """
-    device = model.device
+    upload = Upload()
+    run = queue_forward(traits, cache, layout, rows, pad_token_id, upload)
+    logits = run(model, upload.send(model.device))
+    return logits.to(dtype=torch.float32) if buffer is None else buffer.fill(logits)
+
+
+def queue_forward(traits: ModelTraits, cache, layout: KVLayout, rows: list[RowStep], pad_token_id: int,
+                  upload: Upload):
+    """``forward_rows`` in two halves, so that one copy carries a step's inputs: the forward's host arrays
+    (and the cache moves ``layout`` deferred) go into ``upload`` now; the returned ``run(model, sent)``, given
+    ``upload.send(device)``, makes the moves and calls the model. ``run`` returns the model's own logits
+    ``[B, 1 + max n, V]`` (its dtype: converting them is the caller's choice)."""
     num_pending = len(rows[0].pending)
     if any(len(row.pending) != num_pending for row in rows):
         raise ValueError("rows of one forward must have equal numbers of pending tokens")
-    input_ids, mask, position_ids = layout.inputs(traits, rows, pad_token_id, device)
-    width = input_ids.shape[1]
+    move = layout.flush(cache, upload)
+    build = layout.queue_inputs(traits, rows, pad_token_id, upload)
+    width = max(row.num_fed for row in rows)
     single = len(rows) == 1 and not layout.ragged
-    if single and (traits.chains_only or (rows[0].num_fed == 1 and traits.no_windows)):
-        mask = None  # the causal mask: a plain decode step, or a chain on an ALiBi model
+    causal = single and (traits.chains_only or (rows[0].num_fed == 1 and traits.no_windows))
     keep = width - num_pending + 1
-    out = model(
-        input_ids=input_ids,
-        attention_mask=mask,
-        position_ids=position_ids,
-        cache_position=torch.arange(layout.length, layout.length + width, device=device),
-        use_cache=True,
-        **({"logits_to_keep": keep} if traits.takes_logits_to_keep else {}),
-        **{traits.cache_kwarg: cache},
-    )
-    logits = out.logits[:, -keep:]
-    return logits.to(dtype=torch.float32) if buffer is None else buffer.fill(logits)
+    start = layout.length
+
+    def run(model, sent: list[torch.Tensor]) -> torch.Tensor:
+        move(sent)
+        input_ids, mask, position_ids = build(sent)
+        out = model(
+            input_ids=input_ids,
+            attention_mask=None if causal else mask,  # the causal mask: a plain decode step, or an ALiBi chain
+            position_ids=position_ids,
+            cache_position=torch.arange(start, start + width, device=input_ids.device),
+            use_cache=True,
+            **({"logits_to_keep": keep} if traits.takes_logits_to_keep else {}),
+            **{traits.cache_kwarg: cache},
+        )
+        return out.logits[:, -keep:]
+
+    return run
 
 
 def tree_forward(model, traits: ModelTraits, cache, cache_len: int, pending: list[int], draft: Draft) -> torch.Tensor:
@@ -331,6 +349,7 @@ class SpeculativeDecoder:
         self.want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
         self.want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
         self.pad_token_id = _pad_token_id(generation_config)
+        self.whole_tree = verifies_whole_tree(self.device) and processes_rows_alone(logits_processor)
         t_start = time.perf_counter()
         rows = self._rows(input_ids, attention_mask, int(generation_config.max_length))
         self.stats.prompt_tokens = sum(row.num_committed for row in rows)
@@ -349,14 +368,14 @@ class SpeculativeDecoder:
                                  self._timed_draft(self._propose, row, len(active), cache, layout, r))
                          for r, row in enumerate(active)]
                 t0 = time.perf_counter()
-                logits = self._forward(active, steps, cache, layout)
-                acceptances = [self._accept(row, step.draft, logits[r]) for r, (row, step) in enumerate(zip(active, steps))]
-                layout.compact(cache, steps, [acceptance.cached_nodes for acceptance in acceptances])
+                logits, acceptances, observed = self._verify(active, steps, cache, layout)
+                layout.compact(cache, steps, [acceptance.cached_nodes for acceptance in acceptances], defer=True)
                 self.stats.verify_s += time.perf_counter() - t0
                 for r, (row, step, acceptance) in enumerate(zip(active, steps, acceptances)):
                     committed = self._commit(row, step.draft, logits[r], acceptance)
-                    self._timed_draft(self._learn, row, step.draft, logits[r], acceptance, committed)
+                    self._timed_draft(self._learn, row, step.draft, observed[r], acceptance, committed)
                 active = self._drop_finished(active, cache, layout)
+            self._timed_tensor(layout.flush, cache)  # the moves of the last step, for the returned cache
         finally:
             self.logits_buffer.release()
             for row in started:
@@ -380,7 +399,7 @@ class SpeculativeDecoder:
     def _drop_finished(self, active: list[Row], cache, layout: KVLayout) -> list[Row]:
         keep = [r for r, row in enumerate(active) if not row.done]
         if len(keep) < len(active):
-            layout.drop_rows(cache, keep)
+            layout.drop_rows(cache, keep, defer=True)  # made with the next forward's inputs
         return [active[r] for r in keep]
 
     def _outputs(self, rows: list[Row], input_ids, cache):
@@ -395,11 +414,18 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------ steps
     def _timed_draft(self, step, *args):
+        return self._timed("draft_s", step, *args)
+
+    def _timed_tensor(self, work, *args):
+        """``work(*args)``, its time counted as tensor work on the model's device (``SpecStats.tensor_s``)."""
+        return self._timed("tensor_s", work, *args)
+
+    def _timed(self, counter: str, work, *args):
         t0 = time.perf_counter()
         try:
-            return step(*args)
+            return work(*args)
         finally:
-            self.stats.draft_s += time.perf_counter() - t0
+            setattr(self.stats, counter, getattr(self.stats, counter) + time.perf_counter() - t0)
 
     def _start(self, row: Row, documents, tokenizer, prediction) -> None:
         self.drafter.start(row.request_id, np.asarray(row.sequence[row.num_pads:], np.int64))
@@ -418,6 +444,7 @@ class SpeculativeDecoder:
         """
         if not self.traits.asks_model_for_cache or layout.length == 0 or len(active) != 1:
             return
+        layout.flush(cache)  # the model reads the cache's length
         row = active[0]
         ids = torch.tensor([row.sequence], dtype=torch.long, device=self.device)
         inputs = self.model.prepare_inputs_for_generation(
@@ -449,14 +476,61 @@ class SpeculativeDecoder:
                              f"documents= or the drafter's own state)")
         return draft.best_chain() if self.traits.chains_only else draft
 
-    def _forward(self, active: list[Row], steps: list[RowStep], cache, layout: KVLayout) -> torch.Tensor:
-        """The batched tree forward, reported to the drafter. [B, 1 + max n, V]"""
+    def _verify(self, active: list[Row], steps: list[RowStep], cache, layout: KVLayout):
+        """The step's forward and verification: (the model's logits [B, R, V], an Acceptance per row, the
+        top-k each row's drafter observes, on the host).
+
+        Whole tree on the device (``verifies_whole_tree``): one copy up (inputs, deferred cache moves, what
+        the tree's scoring reads), one copy down (every row's target token and observed top-k), then the walk
+        on the host. Otherwise the walk picks each visited row's token as it goes (on a CPU the cheaper
+        way: it reads only the rows on the path, and a read costs no round trip there).
+        """
+        upload = Upload()
+        run = queue_forward(self.traits, cache, layout, steps, self.pad_token_id, upload)
+        width = 1 + max(step.draft.num_nodes for step in steps)
+        whole_tree = self.whole_tree
+        scorings = [TreeScoring.queue(step.draft.token_ids, step.draft.parents, row.sequence, width, upload,
+                                      self.do_sample, bool(len(self.logits_processor)))
+                    for row, step in zip(active, steps)] if whole_tree else []
+        sent = self._timed_tensor(upload.send, self.device)
+        logits = self._forward(active, steps, run, sent)  # the model's dtype [B, R, V]
+        k = self.drafter.observe_top_k
+        t0 = time.perf_counter()
+        top = top_k(logits.reshape(-1, logits.shape[-1]), k) if k else ()
+        if whole_tree:
+            chosen, scores, invalid, rng_states = TreeScoring.choose(
+                scorings, logits, sent, self.logits_processor, self.do_sample, self.logits_buffer)
+            host = fetch([chosen] + ([] if invalid is None else [invalid]) + list(top))
+            chosen_host, invalid_host = host[0], (host[1] if invalid is not None else None)
+            top_host = host[-len(top):] if top else ()
+        else:
+            top_host = fetch(list(top))
+        self.stats.tensor_s += time.perf_counter() - t0
+        acceptances = []
+        for r, (row, step) in enumerate(zip(active, steps)):
+            if whole_tree:
+                acceptance = self._accept(row, step.draft, scores[r], chosen_host[r])
+                _check_probabilities(invalid_host, r, acceptance)
+            else:
+                acceptance = self._accept(row, step.draft, logits[r])
+            acceptances.append(acceptance)
+        if whole_tree and rng_states is not None:  # the stream where plain sampling leaves it
+            _default_generator(self.device).set_state(rng_states[len(acceptances[0].token_ids)])
+        observed = [None] * len(active)
+        if k:
+            ids, probs = (array.reshape(len(active), width, k) for array in top_host)
+            observed = [(ids[r, : step.draft.num_nodes + 1], probs[r, : step.draft.num_nodes + 1])
+                        for r, step in enumerate(steps)]
+        return logits, acceptances, observed
+
+    def _forward(self, active: list[Row], steps: list[RowStep], run, sent) -> torch.Tensor:
+        """The batched tree forward, reported to the drafter: the model's logits [B, 1 + max n, V]."""
         prefill = self.stats.forward_passes == 0
         t0 = time.perf_counter()
-        logits = forward_rows(self.model, self.traits, cache, layout, steps, self.pad_token_id,
-                              self.logits_buffer)
+        logits = run(self.model, sent)
         report = ForwardReport(tuple(row.request_id for row in active), tuple(step.num_fed for step in steps),
                                time.perf_counter() - t0, prefill)
+        self.stats.forward_s += report.forward_s
         self.drafter.on_forward(report)
         self.stats.forward_passes += 1
         self.stats.row_forwards += len(active)
@@ -464,15 +538,30 @@ class SpeculativeDecoder:
             self.stats.tokens_fed += sum(report.tokens_per_row)
         return logits
 
-    def _accept(self, row: Row, draft: Draft, logits: torch.Tensor) -> Acceptance:
+    def _accept(self, row: Row, draft: Draft, logits: torch.Tensor, chosen: np.ndarray | None = None) -> Acceptance:
+        """The walk over one row's tree; ``logits`` [R, V]: the model's (or, with ``chosen``, the scores that
+        chose it, from ``TreeScoring.choose``)."""
         processor, criteria = self.logits_processor, self.stopping_criteria
+        stats = self.stats
 
         def score_row(index: int, path: list[int]) -> torch.Tensor:
+            if chosen is not None:
+                return logits[index]  # a view: converted when kept (``_commit``)
+            t0 = time.perf_counter()
             raw = logits[index: index + 1]
             if len(processor) == 0:
-                return raw[0]
-            ids = torch.tensor([row.sequence + path], dtype=torch.long, device=self.device)
-            return processor(ids, raw.clone())[0]
+                scores = raw[0].to(torch.float32)  # one row, not the tree: no copy of float32 logits
+            else:
+                ids = torch.tensor([row.sequence + path], dtype=torch.long, device=self.device)
+                scores = processor(ids, raw.to(torch.float32, copy=True))[0]
+            stats.tensor_s += time.perf_counter() - t0
+            return scores
+
+        def choose(scores: torch.Tensor) -> int:
+            t0 = time.perf_counter()
+            token = choose_token(scores, self.do_sample)
+            stats.tensor_s += time.perf_counter() - t0
+            return token
 
         def should_stop(emitted: list[int], emitted_scores: list[torch.Tensor]) -> bool:
             """The stopping criteria, asked as plain decoding asks them (with its scores when it keeps them)."""
@@ -482,11 +571,12 @@ class SpeculativeDecoder:
             if self.stop_rule is not None and self.stop_rule.applies(length):
                 return self.stop_rule.stops(length, emitted[-1])
             ids = torch.tensor([row.sequence + emitted], dtype=torch.long, device=self.device)
-            scores = tuple(row.out_scores) + tuple(s[None] for s in emitted_scores) if self.want_scores else None
+            scores = (tuple(row.out_scores) + tuple(s[None].to(torch.float32) for s in emitted_scores)
+                      if self.want_scores else None)
             return bool(criteria(ids, scores).any())
 
         acceptance = accept_tree(draft.token_ids, draft.parents, score_row, self.do_sample, draft.is_candidate,
-                                 should_stop)
+                                 should_stop, chosen=chosen, choose=choose)
         self.stats.count_draft(draft, acceptance.accepted_nodes, self.drafter.name)
         return acceptance
 
@@ -494,11 +584,11 @@ class SpeculativeDecoder:
         """Commit the emitted tokens (the walk already asked the stopping criteria after each one)."""
         committed = list(acceptance.token_ids)
         for k in range(len(committed)):
-            if self.want_scores:
-                row.out_scores.append(acceptance.scores[k][None].clone())  # may be a view of the step's logits
+            if self.want_scores:  # float32 copies: the scores may be views of the step's logits
+                row.out_scores.append(acceptance.scores[k][None].to(torch.float32, copy=True))
             if self.want_logits:
                 index = 0 if k == 0 else acceptance.accepted_nodes[k - 1] + 1
-                row.out_logits.append(logits[index: index + 1].clone())
+                row.out_logits.append(logits[index: index + 1].to(torch.float32, copy=True))
         next_position = row.num_committed
         row.sequence.extend(committed)
         row.done = acceptance.stopped
@@ -511,14 +601,28 @@ class SpeculativeDecoder:
         row.pending_positions = np.array([next_position + len(committed) - 1], np.int64)
         return committed
 
-    def _learn(self, row: Row, draft: Draft, logits: torch.Tensor, acceptance: Acceptance,
-               committed: list[int]) -> None:
-        k = self.drafter.observe_top_k
-        if k:
-            ids, probs = top_k(logits[: draft.num_nodes + 1], k)
+    def _learn(self, row: Row, draft: Draft, observed, acceptance: Acceptance, committed: list[int]) -> None:
+        """``observed``: (top-k ids, probabilities) [num_nodes + 1, k] at the root and every node, on the host."""
+        if observed is not None:
             accepted = np.asarray(acceptance.accepted_nodes, np.int64)
-            self.drafter.observe(row.request_id, VerifyOutput(draft, accepted, ids.cpu().numpy(), probs.cpu().numpy()))
+            self.drafter.observe(row.request_id, VerifyOutput(draft, accepted, *observed))
         self.drafter.extend(row.request_id, np.asarray(committed, np.int64))
+
+
+def verifies_whole_tree(device) -> bool:
+    """Whether a step on ``device`` verifies its whole tree on the device (``TreeScoring``): on an accelerator,
+    where every read of the device costs a round trip; not on a CPU, where reading only the path's rows is
+    cheaper. Tests set it for CPU runs to make the calls an accelerator run makes."""
+    return torch.device(device).type != "cpu"
+
+
+def _check_probabilities(invalid: np.ndarray | None, r: int, acceptance: Acceptance) -> None:
+    """Raise as ``torch.multinomial`` raises if a row that emitted a token had no valid distribution."""
+    if invalid is None:
+        return
+    rows = [0] + [node + 1 for node in acceptance.accepted_nodes][: len(acceptance.token_ids) - 1]
+    if invalid[r, rows].any():
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
 
 
 @dataclass(frozen=True)
@@ -580,7 +684,7 @@ def top_k(scores: torch.Tensor, k: int, chunk: int = 128) -> tuple[torch.Tensor,
     num_chunks = vocab // chunk
     if num_chunks <= k:
         values, ids = torch.topk(scores, k=min(k, vocab), dim=-1)
-        return ids, torch.exp(values - torch.logsumexp(scores, dim=-1, keepdim=True))
+        return ids, torch.exp(values.float() - torch.logsumexp(scores.float(), dim=-1, keepdim=True))
     body = scores[:, : num_chunks * chunk].reshape(num_rows, num_chunks, chunk)
     chunks = torch.topk(body.amax(dim=-1), k=k, dim=-1).indices  # [n, k]
     candidates = body.gather(1, chunks[:, :, None].expand(-1, -1, chunk)).reshape(num_rows, k * chunk)
@@ -589,8 +693,9 @@ def top_k(scores: torch.Tensor, k: int, chunk: int = 128) -> tuple[torch.Tensor,
         candidates = torch.cat([candidates, scores[:, num_chunks * chunk:]], 1)
         tail = torch.arange(num_chunks * chunk, vocab, device=scores.device).expand(num_rows, -1)
         columns = torch.cat([columns, tail], 1)
-    values, picked = torch.topk(candidates, k=k, dim=-1)
-    return columns.gather(1, picked), torch.exp(values - torch.logsumexp(candidates, dim=-1, keepdim=True))
+    values, picked = torch.topk(candidates, k=k, dim=-1)  # probabilities in float32 whatever the logits' dtype
+    return columns.gather(1, picked), torch.exp(values.float() - torch.logsumexp(candidates.float(), dim=-1,
+                                                                                keepdim=True))
 
 
 def _pad_token_id(generation_config) -> int:

@@ -37,6 +37,9 @@ class SpecStats:
     accepted_draft_tokens: int = 0
     draft_s: float = 0.0  # time in the drafter (propose/extend/observe)
     verify_s: float = 0.0  # time in target forwards and verification
+    forward_s: float = 0.0  # of verify_s: time inside the model's forward calls
+    tensor_s: float = 0.0  # tensor work on the model's device outside forwards: copies up and down, logits
+    #                        conversion, processors, argmax / sampling, top-k (on a GPU: launches and waits)
     total_s: float = 0.0
     fallback_reason: str | None = None  # set when generate() ran without speculation
     per_drafter: dict[str, DrafterStats] = field(default_factory=dict)
@@ -45,6 +48,12 @@ class SpecStats:
     def tau(self) -> float:
         """New tokens per row and target forward (a batch's rows each count)."""
         return self.new_tokens / self.row_forwards if self.row_forwards else 0.0
+
+    @property
+    def host_s(self) -> float:
+        """Time outside forwards and outside tensor work: Python, Numba, drafting, bookkeeping (paid as it is on
+        any device)."""
+        return max(0.0, self.total_s - self.forward_s - self.tensor_s)
 
     @property
     def tokens_per_s(self) -> float:
@@ -74,6 +83,8 @@ class SpecStats:
             f"{self.new_tokens} new tokens in {self.forward_passes} forwards (tau {self.tau:.2f})",
             f"{self.tokens_per_s:.1f} tok/s",
             f"draft {self.draft_s * 1e3:.0f} ms, verify {self.verify_s * 1e3:.0f} ms",
+            f"forwards {self.forward_s * 1e3:.0f} ms, tensor work {self.tensor_s * 1e3:.0f} ms, "
+            f"host {self.host_s * 1e3:.0f} ms",
         ]
         for name, d in sorted(self.per_drafter.items()):
             parts.append(f"{name}: {d.accepted}/{d.proposed} accepted")

@@ -11,6 +11,9 @@ Metrics of a method over a set of prompts (a category, or all):
   tokens/s (under greedy decoding both methods emit the same tokens, so these
   are ratios of time). ``cpu_total``: the same ratio on CPU seconds.
 - ``draft_overhead``: time in the drafter over time in generate() (freespec's stats).
+- ``outside_forward_ms_per_forward``: wall time outside the model's forwards per forward (every method);
+  ``host_ms_per_forward`` / ``tensor_ms_per_forward``: freespec's split of its own time outside forwards
+  into host work and tensor work on the model's device (``SpecStats.host_s`` / ``tensor_s``).
 - ``fed_per_step``: tokens fed per row and forward after the prefill (root + draft nodes;
   in a batch, the widest row's, as every row is padded to it).
 - ``width_shares``: the share of those forwards in each band of ``WIDTH_BANDS`` (1, 2-8,
@@ -105,6 +108,7 @@ def method_metrics(prompts: Sequence[dict], label: str, vanilla: str | None, hf_
         "speedup_vs_hf_pld": _speedup(prompts, label, hf_pld),
         "cpu_speedup_vs_vanilla": _speedup(prompts, label, vanilla, "cpu_s"),
         "mismatches": sum(1 for r in records if r.get("matches_reference") is False),
+        "outside_forward_ms_per_forward": _per_forward(records, "outside_forward_s", forwards),
     }
     if engines:
         engine_forwards = sum(e["forward_passes"] for e in engines)
@@ -123,8 +127,17 @@ def method_metrics(prompts: Sequence[dict], label: str, vanilla: str | None, hf_
             "draft_tokens": sum(e["draft_tokens"] for e in engines),
             "per_drafter": per_drafter,
             "fallbacks": sum(1 for e in engines if e.get("fallback_reason")),
+            "tensor_ms_per_forward": _per_forward(engines, "tensor_s", engine_forwards),
+            "host_ms_per_forward": _per_forward(engines, "host_s", engine_forwards),
         })
     return metrics
+
+
+def _per_forward(records: Sequence[dict], key: str, forwards: int) -> float | None:
+    """Milliseconds of ``key`` per forward over ``records`` (None where a record lacks it: older results)."""
+    if not forwards or any(key not in r for r in records):
+        return None
+    return 1e3 * sum(r[key] for r in records) / forwards
 
 
 def summarize(prompts: Sequence[dict], labels: Sequence[str]) -> dict[str, Any]:
@@ -210,7 +223,7 @@ def _speed(value: dict | None) -> str:
 
 def overall_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     header = ["method", "tau", "tok/s", "x vanilla (med/tot)", "x hf-pld (med/tot)", "x vanilla CPU",
-              "draft %", "fed/step", "wall s", "CPU s", "prompts"]
+              "draft %", "off-fwd ms/fwd (host+tensor)", "fed/step", "wall s", "CPU s", "prompts"]
     rows = []
     for label, m in summary["overall"].items():
         cpu = m["cpu_speedup_vs_vanilla"]
@@ -218,9 +231,19 @@ def overall_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
             label, f"{m['tau']:.2f}", f"{m['tokens_per_s']:.1f}", _speed(m["speedup_vs_vanilla"]),
             _speed(m["speedup_vs_hf_pld"]), "-" if cpu is None else f"{cpu['total']:.2f}",
             _fmt(None if m.get("draft_overhead") is None else 100 * m["draft_overhead"], ".1f"),
-            _fmt(m["fed_per_step"], ".1f"), f"{m['wall_s']:.1f}", f"{m['cpu_s']:.1f}", str(m["prompts"]),
+            _off_forward(m), _fmt(m["fed_per_step"], ".1f"), f"{m['wall_s']:.1f}", f"{m['cpu_s']:.1f}", str(m["prompts"]),
         ])
     return header, rows
+
+
+def _off_forward(m: dict) -> str:
+    """``"3.5 (2.9+0.6)"``: ms per forward outside forwards, then host and tensor work where freespec split it."""
+    outside = m.get("outside_forward_ms_per_forward")
+    if outside is None:
+        return "-"
+    if m.get("host_ms_per_forward") is None or m.get("tensor_ms_per_forward") is None:
+        return f"{outside:.1f}"
+    return f"{outside:.1f} ({m['host_ms_per_forward']:.1f}+{m['tensor_ms_per_forward']:.1f})"
 
 
 def category_rows(summary: dict, what: str) -> tuple[list[str], list[list[str]]]:

@@ -11,6 +11,14 @@ seconds and ``time.process_time`` CPU seconds. freespec's own ``SpecStats``
 is recorded beside them (draft and verify time, per-drafter counts) and its
 forward count is cross-checked against the hook's.
 
+Time outside forwards (``outside_forward_s``: wall seconds minus the hook's forward
+seconds, measured, for every method) splits for freespec into tensor work on the
+model's device (``engine.tensor_s``: the step's two copies, logits conversion,
+processors, argmax / sampling, top-k, cache moves) and host work (``engine.host_s``:
+Python, Numba, drafting, bookkeeping, paid as it is on any device). Under
+``simulate`` the forwards are charged the curve's time but tensor work stays as
+measured, at this machine's prices, and is reported apart so a reader can price it.
+
 Simulating another machine (``simulate``, ``freespec bench --simulate``): the hook
 also times every forward and charges it a ``CostCurve``'s time instead; a record's
 wall and CPU seconds are then the measured ones with the forwards' measured time
@@ -186,6 +194,7 @@ def _stats_record(stats) -> dict | None:
         "new_tokens": stats.new_tokens, "forward_passes": stats.forward_passes, "row_forwards": stats.row_forwards,
         "tau": stats.tau,
         "draft_s": stats.draft_s, "verify_s": stats.verify_s, "total_s": stats.total_s,
+        "forward_s": stats.forward_s, "tensor_s": stats.tensor_s, "host_s": stats.host_s,
         "tokens_fed": stats.tokens_fed, "steps_with_draft": stats.steps_with_draft,
         "draft_tokens": stats.draft_tokens, "accepted_draft_tokens": stats.accepted_draft_tokens,
         "fallback_reason": stats.fallback_reason,
@@ -236,6 +245,7 @@ def run_method(runner: MethodRunner, model, counter: ForwardCounter, input_ids, 
         t0, c0 = time.perf_counter(), time.process_time()
         out, stats = runner.generate(model, input_ids, gen_kwargs)
         wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    outside_forward_s = wall_s - counter.forward_s  # measured: host work and tensor work between forwards
     simulated = {}
     if counter.simulate is not None:  # the forwards at the curve's price, everything else as measured
         simulated = {"measured_wall_s": wall_s, "measured_cpu_s": cpu_s, "measured_forward_s": counter.forward_s,
@@ -253,7 +263,7 @@ def run_method(runner: MethodRunner, model, counter: ForwardCounter, input_ids, 
     record = {
         "new_tokens": new_tokens, "forwards": counter.forwards, "row_forwards": row_forwards,
         "tau": new_tokens / row_forwards if row_forwards else 0.0,
-        "wall_s": wall_s, "cpu_s": cpu_s,
+        "wall_s": wall_s, "cpu_s": cpu_s, "outside_forward_s": outside_forward_s,
         "tokens_per_s": new_tokens / wall_s if wall_s > 0 else 0.0,
         "tokens_fed_after_prefill": counter.tokens_fed,
         "forward_widths": {str(width): count for width, count in sorted(counter.widths.items())},
