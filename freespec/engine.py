@@ -684,7 +684,7 @@ def top_k(scores: torch.Tensor, k: int, chunk: int = 128) -> tuple[torch.Tensor,
     num_chunks = vocab // chunk
     if num_chunks <= k:
         values, ids = torch.topk(scores, k=min(k, vocab), dim=-1)
-        return ids, torch.exp(values.float() - torch.logsumexp(scores.float(), dim=-1, keepdim=True))
+        return ids, torch.exp(_widened(values) - torch.logsumexp(_widened(scores), dim=-1, keepdim=True))
     body = scores[:, : num_chunks * chunk].reshape(num_rows, num_chunks, chunk)
     chunks = torch.topk(body.amax(dim=-1), k=k, dim=-1).indices  # [n, k]
     candidates = body.gather(1, chunks[:, :, None].expand(-1, -1, chunk)).reshape(num_rows, k * chunk)
@@ -693,9 +693,14 @@ def top_k(scores: torch.Tensor, k: int, chunk: int = 128) -> tuple[torch.Tensor,
         candidates = torch.cat([candidates, scores[:, num_chunks * chunk:]], 1)
         tail = torch.arange(num_chunks * chunk, vocab, device=scores.device).expand(num_rows, -1)
         columns = torch.cat([columns, tail], 1)
-    values, picked = torch.topk(candidates, k=k, dim=-1)  # probabilities in float32 whatever the logits' dtype
-    return columns.gather(1, picked), torch.exp(values.float() - torch.logsumexp(candidates.float(), dim=-1,
-                                                                                keepdim=True))
+    values, picked = torch.topk(candidates, k=k, dim=-1)  # probabilities in float32 at least
+    return columns.gather(1, picked), torch.exp(_widened(values) - torch.logsumexp(_widened(candidates), dim=-1,
+                                                                                   keepdim=True))
+
+
+def _widened(scores: torch.Tensor) -> torch.Tensor:
+    """float16 / bfloat16 logits as float32 (the others as they are)."""
+    return scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
 
 
 def _pad_token_id(generation_config) -> int:

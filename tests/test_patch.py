@@ -161,6 +161,9 @@ def test_logits_buffer_reuses_its_memory():
     assert torch.equal(buffer.fill(wide), wide.float())  # grown
 
 
+PROCESSED = dict(do_sample=False, repetition_penalty=1.2)
+
+
 def test_logits_buffer_is_kept_per_thread_across_calls_and_never_shared(model, monkeypatch):
     """generate() calls on one thread convert into the same memory (a fresh buffer per call paid its new pages
     on every request's wide forwards); a call inside another, or on another thread, gets memory of its own;
@@ -179,28 +182,31 @@ def test_logits_buffer_is_kept_per_thread_across_calls_and_never_shared(model, m
         return buffer
 
     monkeypatch.setattr(LogitsBuffer, "acquire", classmethod(recording_acquire))
+    # the buffer holds a whole tree's float32 scores: on the accelerator path, with processors (a CPU walk converts
+    # only the rows it reads)
+    monkeypatch.setattr(engine, "verifies_whole_tree", lambda device: True)
     freespec.patch(model, drafter="prompt_lookup", drafter_options={"min_match": 1})
-    plain = freespec.unpatch(model).generate(PROMPT, max_new_tokens=8, do_sample=False)
+    plain = freespec.unpatch(model).generate(PROMPT, max_new_tokens=8, **PROCESSED)
     freespec.patch(model, drafter="prompt_lookup", drafter_options={"min_match": 1})
     for _ in range(2):
-        assert model.generate(PROMPT, max_new_tokens=8, do_sample=False).tolist() == plain.tolist()
+        assert model.generate(PROMPT, max_new_tokens=8, **PROCESSED).tolist() == plain.tolist()
     assert seen[0] is seen[1] and not seen[0].in_use and seen[0]._data is not None
     pointer = seen[0]._data.data_ptr()
 
     outer = LogitsBuffer.acquire()  # as if a callback of this thread's call generated again
     assert outer is seen[0]
-    assert model.generate(PROMPT, max_new_tokens=8, do_sample=False).tolist() == plain.tolist()
+    assert model.generate(PROMPT, max_new_tokens=8, **PROCESSED).tolist() == plain.tolist()
     assert seen[-1] is not outer and outer.in_use and outer._data.data_ptr() == pointer
     outer.release()
 
     other = []
-    thread = threading.Thread(target=lambda: other.append(model.generate(PROMPT, max_new_tokens=8, do_sample=False)))
+    thread = threading.Thread(target=lambda: other.append(model.generate(PROMPT, max_new_tokens=8, **PROCESSED)))
     thread.start()
     thread.join()
     assert other[0].tolist() == plain.tolist() and seen[-1] is not seen[0]
 
     monkeypatch.setattr(engine.LogitsBuffer, "KEEP_BYTES", 16)
-    model.generate(PROMPT, max_new_tokens=8, do_sample=False)
+    model.generate(PROMPT, max_new_tokens=8, **PROCESSED)
     assert seen[-1] is seen[0] and seen[0]._data is None  # too large to keep
 
 
