@@ -224,18 +224,28 @@ class Draft:
     def best_chain(self) -> "Draft":
         """The candidate path that follows the most confident child at each node (the first, without confidence).
 
-        For hosts that can verify chains only (ALiBi): ``[-1, 0, 0, 1]`` with
+        For hosts that can verify chains only (ALiBi, vLLM): ``[-1, 0, 0, 1]`` with
         confidence ``[0.9, 0.3, 0.5, 0.2]`` -> nodes ``[0, 2]``.
         """
-        is_candidate = self.candidate_mask()
-        confidence = self.confidence if self.confidence is not None else np.zeros(self.num_nodes, np.float32)
-        path, parent = [], -1
-        while True:
-            children = np.nonzero((self.parents == parent) & is_candidate)[0]
-            if children.size == 0:
-                return self.select(np.asarray(path, np.int64))
-            parent = int(children[np.argmax(confidence[children])])
-            path.append(parent)
+        return self.select(np.asarray(self.best_path(), np.int64))
+
+    def best_path(self) -> list[int]:
+        """The nodes of ``best_chain``, root first: one pass over the nodes (ties: the first child)."""
+        parents = self.parents.tolist()
+        confidence = self.confidence.tolist() if self.confidence is not None else None
+        is_candidate = self.is_candidate.tolist() if self.is_candidate is not None else None
+        best: dict[int, int] = {}  # parent -> its most confident candidate child
+        for node, parent in enumerate(parents):
+            if is_candidate is not None and not is_candidate[node]:
+                continue
+            current = best.get(parent)
+            if current is None or (confidence is not None and confidence[node] > confidence[current]):
+                best[parent] = node
+        path, node = [], best.get(-1)
+        while node is not None:
+            path.append(node)
+            node = best.get(node)
+        return path
 
     def node_paths(self) -> list[tuple[int, ...]]:
         """Token path from the root to every node: ``[-1, 0, 0] with tokens [5, 6, 8] -> [(5,), (5, 6), (5, 8)]``."""
