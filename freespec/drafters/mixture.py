@@ -292,7 +292,8 @@ class MixtureDrafter(Drafter):
         return [(draft, kinds) for draft, kinds in scored if draft.num_nodes]
 
     def _propose(self, request_id, budget: Budget) -> Draft:
-        flat = self.flat_curve(budget.batch_size)
+        # the gate matters only to the sources that read the model (the cost curve is not read without them)
+        flat = (self.recycle is not None or self.lookahead is not None) and self.flat_curve(budget.batch_size)
         scored = self._scored_drafts(request_id, budget, flat)
         scored.sort(key=lambda c: -float(c[0].confidence.max()))  # the most trusted source names shared nodes
         if len(scored) == 1:

@@ -1,0 +1,297 @@
+"""The vLLM adapter without vLLM: request following (``HostRequests``), hints, options, and the proposer
+against a model runner shaped like vLLM 0.32's (rows that move, exits, failures). ``tests/test_vllm.py``
+runs the same proposer inside a real engine."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from freespec.drafters import make
+from freespec.drafters.base import Drafter
+from freespec.draft import Draft
+from freespec.integrations.host_requests import HostRequests
+from freespec.integrations.vllm import hints, options, proposer as proposer_module
+
+
+class Recording(Drafter):
+    """Drafts the next 3 tokens of a fixed sequence after the context's last token; records the calls."""
+
+    name = "recording"
+    accepts_documents = accepts_prediction = True
+
+    def __init__(self, fail_on=None):
+        super().__init__()
+        self.events, self.fail_on, self.hints = [], fail_on, {}
+
+    def _on_start(self, request_id):
+        self.events.append(("start", request_id, self.context(request_id).tolist()))
+
+    def _on_extend(self, request_id, ids):
+        self.events.append(("extend", request_id, ids.tolist()))
+
+    def _on_stop(self, request_id):
+        self.events.append(("stop", request_id))
+
+    def add_documents(self, request_id, docs, tokenizer=None):
+        self.hints[request_id] = ("documents", docs)
+
+    def add_prediction(self, request_id, prediction_ids):
+        self.hints[request_id] = ("prediction", prediction_ids.tolist())
+
+    def _propose(self, request_id, budget):
+        last = int(self.context(request_id)[-1])
+        if self.fail_on == last:
+            raise RuntimeError("drafter failure")
+        return Draft.chain([last + 1, last + 2, last + 3][:budget.max_depth])
+
+
+# ---------------------------------------------------------------- HostRequests
+def test_host_requests_docstring_example():
+    drafter = Recording()
+    requests = HostRequests(drafter)
+    assert requests.sync("r", [9, 1, 2, 3], 8, lambda: [5, 6, 7, 8, 9, 1, 2, 3])
+    assert not requests.sync("r", [2, 3, 4, 5], 10)
+    assert requests.sync("r", [7, 7, 7, 7], 12)
+    assert drafter.events == [("start", "r", [5, 6, 7, 8, 9, 1, 2, 3]), ("extend", "r", [4, 5]), ("stop", "r"),
+                              ("start", "r", [7, 7, 7, 7])]
+    assert requests.num_restarts == 1 and requests.num_starts == 2
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_host_requests_follow_a_simulated_host(seed):
+    """Random joins, commits, exits and preemptions: the drafter's context is always the host's sequence."""
+    rng = np.random.default_rng(seed)
+    drafter = Recording()
+    requests = HostRequests(drafter)
+    host: dict[str, list] = {}
+    for step in range(200):
+        if len(host) < 6 and rng.random() < 0.3:
+            host[f"r{step}"] = rng.integers(0, 50, rng.integers(1, 30)).tolist()
+        for rid in list(host):
+            roll = rng.random()
+            if roll < 0.05:
+                del host[rid]  # finished or aborted
+            elif roll < 0.08:
+                host[rid] = host[rid][: rng.integers(1, len(host[rid]) + 1)]  # recomputed shorter: a restart
+            else:
+                host[rid] += rng.integers(0, 50, rng.integers(1, 5)).tolist()
+        requests.release_absent(host)
+        for rid, seq in host.items():
+            requests.sync(rid, seq[-6:], len(seq), lambda seq=seq: list(seq))
+            assert drafter.context(rid).tolist() == seq
+    requests.release_all()
+    assert len(requests) == 0 and not drafter._contexts
+
+
+# ---------------------------------------------------------------- hints
+def test_hints_parse_and_refuse():
+    assert hints.parse(None) is None and hints.parse({"other": 1}) is None
+    assert hints.parse({"documents": "a text", "prediction": [5, 6]}) == hints.Hints(("a text",), (5, 6))
+    assert hints.parse({"documents": [[1, 2], "b"]}).documents == ((1, 2), "b")
+    for bad in ({"documents": 7}, {"documents": [1.5]}, {"documents": [[1, -2]]}, {"documents": [[True]]}):
+        with pytest.raises(ValueError, match=r"extra_args\['documents'\].*must be a list of texts"):
+            hints.parse(bad)
+    with pytest.raises(ValueError, match=r"extra_args\['prediction'\].*must be a text or a list of token ids"):
+        hints.parse({"prediction": {"type": "content", "content": "x"}})
+
+
+# ---------------------------------------------------------------- options
+def test_options_from_env_and_config(tmp_path):
+    assert options.from_env({}).drafter == "mixture"
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"drafter": "suffix", "drafter_options": {"suffix": {"max_depth": 7}},
+                               "isolated": True}))
+    opts = options.from_env({options.ENV_CONFIG: str(cfg)})
+    assert (opts.drafter, opts.drafter_options, opts.isolated) == ("suffix", {"max_depth": 7}, True)
+    mixture = options.build_drafter(options.VllmOptions("mixture", {}, True, "test"))
+    assert mixture.recycle is None and mixture.lookahead is None  # fixed under vLLM: no logits, chains only
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"drafter_options": {"mixture": {"nope": 1}}}, r"drafter 'mixture' has no option 'nope'"),
+    ({"drafter_options": {"mixture": {"lookahead": True}}}, r"option 'lookahead' must be False under vLLM"),
+    ({"drafter_options": {"mixture": {"recycle": True}}}, r"option 'recycle' must be False under vLLM"),
+    ({"drafter_options": {"mixture": {"early_exit": True}}}, r"option 'early_exit' must be False under vLLM"),
+    ({"isolated": "yes"}, r"'isolated' must be true or false"),
+    ({"drafter": "nope"}, r"drafter 'nope' is unknown"),
+    ({"surprise": 1}, r"unknown keys \['surprise'\]"),
+])
+def test_bad_options_name_the_file_and_option(tmp_path, config, message):
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        options.build_drafter(options.from_env({options.ENV_CONFIG: str(cfg)}))
+
+
+def test_bad_drafter_name_in_env():
+    with pytest.raises(ValueError, match=r"FREESPEC_VLLM_DRAFTER: drafter 'nope' is unknown"):
+        options.from_env({options.ENV_DRAFTER: "nope"})
+
+
+# ---------------------------------------------------------------- the proposer, on a runner shaped like vLLM's
+class FakeBatch:
+    """vLLM's persistent batch: rows hold requests; a request's row moves when others leave."""
+
+    def __init__(self, max_reqs=8, max_len=64):
+        self.token_ids_cpu = np.zeros((max_reqs, max_len), np.int32)
+        self.num_tokens_no_spec = np.zeros(max_reqs, np.int32)
+        self.req_ids: list = []
+
+    @property
+    def req_id_to_index(self):
+        return {rid: i for i, rid in enumerate(self.req_ids)}
+
+    def set_rows(self, sequences: dict) -> None:
+        self.req_ids = list(sequences)
+        for i, seq in enumerate(sequences.values()):
+            self.token_ids_cpu[i, :len(seq)] = seq
+            self.num_tokens_no_spec[i] = len(seq)
+
+
+class FakeRunner:
+    def __init__(self, proposer, extra_args=None):
+        self.drafter = proposer
+        self.input_batch = FakeBatch()
+        self.requests: dict = {}
+        self.extra_args = extra_args or {}
+        self.updates = 0
+
+    def _update_states(self, scheduler_output):
+        self.updates += 1
+        for rid in scheduler_output.finished_req_ids:
+            self.requests.pop(rid, None)
+
+    def load_model(self):
+        self.drafter.load_model(None)
+
+    def step(self, sequences: dict, sampled: dict, finished=()):
+        """One engine step: apply exits, lay out rows, then propose for rows with sampled tokens."""
+        for rid in sequences:
+            params = SimpleNamespace(extra_args=self.extra_args.get(rid))
+            self.requests.setdefault(rid, SimpleNamespace(sampling_params=params))
+        self._update_states(SimpleNamespace(finished_req_ids=set(finished), preempted_req_ids=None))
+        self.input_batch.set_rows(sequences)
+        return self.drafter.propose([sampled.get(rid, []) for rid in sequences],
+                                    self.input_batch.num_tokens_no_spec, self.input_batch.token_ids_cpu)
+
+
+def _proposer(monkeypatch, drafter, k=4, max_model_len=64, vocab_size=1000, extra_args=None):
+    monkeypatch.setattr(proposer_module, "check_vllm_version", lambda: "0.32.0")
+    config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
+                             model_config=SimpleNamespace(max_model_len=max_model_len, tokenizer=None,
+                                                          get_vocab_size=lambda: vocab_size))
+    prop = proposer_module.Proposer(config, drafter=drafter)
+    runner = FakeRunner(prop, extra_args)
+    runner.load_model()  # the proposer finds the runner up the stack, as in vLLM's load_model
+    return prop, runner
+
+
+def test_rows_follow_requests_as_they_move(monkeypatch):
+    drafter = Recording()
+    prop, runner = _proposer(monkeypatch, drafter)
+    seqs = {"a": [1, 2, 3], "b": [10, 11], "c": [20]}
+    assert runner.step(seqs, {"a": [3], "b": [11], "c": [20]}) == [[4, 5, 6, 7][:3], [12, 13, 14], [21, 22, 23]]
+    seqs = {"c": [20, 21, 22], "a": [1, 2, 3, 4]}  # b finished; rows moved
+    assert runner.step(seqs, {"c": [21, 22], "a": [4]}, finished=["b"]) == [[23, 24, 25], [5, 6, 7]]
+    assert ("stop", "b") in drafter.events and prop.num_live_requests == 2
+    assert drafter.context("c").tolist() == [20, 21, 22] and drafter.context("a").tolist() == [1, 2, 3, 4]
+    runner.step({}, {}, finished=["a", "c"])  # the engine's last step before it idles: no propose rows
+    assert prop.num_live_requests == 0 and not drafter._contexts
+
+
+def test_exits_release_state_even_without_a_propose(monkeypatch):
+    drafter = Recording()
+    prop, runner = _proposer(monkeypatch, drafter)
+    runner.step({"a": [1, 2]}, {"a": [2]})
+    runner._update_states(SimpleNamespace(finished_req_ids={"a"}, preempted_req_ids=None))
+    assert prop.num_live_requests == 0
+    runner.step({"b": [5, 6]}, {"b": [6]})
+    runner._update_states(SimpleNamespace(finished_req_ids=set(), preempted_req_ids={"b"}))
+    assert prop.num_live_requests == 0  # preempted: released, restarted when it resumes
+    assert runner.step({"b": [5, 6, 7]}, {"b": [7]}) == [[8, 9, 10]]
+    assert prop.requests.num_starts == 3
+    prop.detach_runner()
+    assert "_update_states" not in vars(runner)
+
+
+def test_drafts_stop_at_max_model_len_and_the_vocabulary(monkeypatch):
+    prop, runner = _proposer(monkeypatch, Recording(), k=8, max_model_len=10, vocab_size=12)
+    assert runner.step({"a": [1, 2, 3, 4, 5, 6, 7]}, {"a": [7]}) == [[8, 9]]  # 7 + 2 drafts + 1 bonus = 10
+    assert runner.step({"a": [1, 2, 3, 4, 5, 6, 7, 8, 9]}, {"a": [8, 9]}) == [[]]
+    assert runner.step({"b": [9, 10]}, {"b": [10]}) == [[11]]  # 12, 13 are not in the vocabulary
+    assert runner.step({"c": [4], "d": [5]}, {"c": [], "d": [5]}) == [[], [6, 7, 8][:3]]  # c: a partial prefill
+
+
+def test_a_failing_drafter_costs_only_that_requests_draft(monkeypatch, caplog):
+    drafter = Recording(fail_on=50)
+    prop, runner = _proposer(monkeypatch, drafter)
+    out = runner.step({"a": [1, 50], "b": [2, 3]}, {"a": [50], "b": [3]})
+    assert out == [[], [4, 5, 6]] and prop.num_errors == 1 and "a" not in prop.requests
+    out = runner.step({"a": [1, 50], "b": [2, 3, 4]}, {"a": [50], "b": [4]})
+    assert out == [[], [5, 6, 7]] and prop.num_errors == 2
+    assert sum("drafting failed" in r.getMessage() for r in caplog.records) == 1  # logged once, then counted
+    assert runner.step({"a": [1, 50, 51]}, {"a": [51]}) == [[52, 53, 54]]  # restarted cleanly
+
+
+def test_a_mismatched_batch_costs_the_steps_drafts(monkeypatch):
+    prop, runner = _proposer(monkeypatch, Recording())
+    runner.input_batch.set_rows({"a": [1, 2]})
+    out = prop.propose([[2]], runner.input_batch.num_tokens_no_spec, np.zeros((8, 64), np.int32))
+    assert out == [[]] and prop.num_errors == 1
+
+
+def test_hints_reach_the_drafter(monkeypatch):
+    drafter = Recording()
+    prop, runner = _proposer(monkeypatch, drafter, extra_args={"a": {"prediction": [7, 8, 9]},
+                                                                 "b": {"documents": [[3, 4, 5]]},
+                                                                 "c": {"documents": 5}})
+    runner.step({"a": [1], "b": [2], "c": [3]}, {"a": [1], "b": [2], "c": [3]})
+    assert drafter.hints == {"a": ("prediction", [7, 8, 9]), "b": ("documents", [(3, 4, 5)])}
+    assert prop.num_hint_errors == 1 and prop.num_live_requests == 3  # c drafts without its bad hint
+
+
+def test_the_mixture_drafts_a_chain_from_the_prompt(monkeypatch):
+    prop, runner = _proposer(monkeypatch, make("mixture", recycle=False, lookahead=False), k=6)
+    seq = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7]
+    out = runner.step({"a": seq}, {"a": [7]})
+    assert out[0][:3] == [8, 9, 10]
+
+
+def test_stats_file(monkeypatch, tmp_path):
+    path = tmp_path / "stats.json"
+    monkeypatch.setenv(options.ENV_STATS, str(path))
+    prop, runner = _proposer(monkeypatch, Recording())
+    runner.step({"a": [1, 2]}, {"a": [2]})
+    runner.step({}, {}, finished=["a"])
+    stats = json.loads(path.read_text())
+    assert stats["live_requests"] == 0 and stats["starts"] == 1 and stats["errors"] == 0
+
+
+def _naive_best_path(parents, confidence, is_candidate):
+    """Plain twin of ``Draft.best_path``: at each node, the first most confident candidate child."""
+    path, parent = [], -1
+    while True:
+        children = [i for i, p in enumerate(parents) if p == parent and is_candidate[i]]
+        if not children:
+            return path
+        top = max(confidence[i] for i in children)
+        parent = next(i for i in children if confidence[i] == top)
+        path.append(parent)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_best_path_matches_its_naive_twin(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 30))
+    parents = [-1] + [int(rng.integers(-1, i)) for i in range(1, n)]
+    confidence = rng.choice([0.1, 0.5, 0.9], n).astype(np.float32)  # ties on purpose
+    is_candidate = rng.random(n) < 0.8
+    draft = Draft(rng.integers(0, 100, n), parents, confidence, is_candidate=is_candidate)
+    expected = _naive_best_path(parents, confidence.tolist(), is_candidate.tolist())
+    assert draft.best_path() == expected
+    assert draft.best_chain().token_ids.tolist() == draft.token_ids[expected].tolist()
+    assert Draft(draft.token_ids, parents).best_path() == _naive_best_path(parents, [0.0] * n, [True] * n)
