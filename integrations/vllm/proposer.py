@@ -1,0 +1,312 @@
+"""``Proposer``: a freespec drafter as vLLM's speculative proposer (``method: custom_class``).
+
+vLLM builds ``Proposer(vllm_config)`` in its model runner, calls ``load_model``,
+then, each step after the forward, ``propose(sampled_token_ids,
+num_tokens_no_spec, token_ids_cpu)`` with one row per request of its persistent
+batch, and expects one list of draft ids per row (vllm 0.32-0.33
+``gpu_model_runner.py``, which the CPU runner inherits). vLLM's rejection sampler
+verifies the drafts (point masses: greedy output is plain vLLM's, sampled output
+has the model's distribution), so nothing here can change an output.
+
+What vLLM does not hand a ``custom_class`` proposer, and how it is found:
+
+- **request ids**: rows move as requests join and leave, and ``propose`` gets no
+  ids. ``load_model`` finds the model runner that holds this proposer (the
+  caller whose ``drafter`` is ``self``); each step reads its ``input_batch``
+  (``req_ids``: row -> request), and checks that the ``token_ids_cpu`` it was
+  handed is that batch's, or drafts nothing;
+- **exits**: the runner learns of finished, aborted and preempted requests in
+  ``_update_states``, also in the last step before the engine goes idle, where
+  no ``propose`` follows. ``load_model`` wraps that method on the runner
+  instance (not its class) so every exit releases the request's drafter state
+  at once; a request that returns after preemption starts again;
+- **hints**: ``runner.requests[req_id].sampling_params.extra_args`` holds a
+  request's ``documents`` / ``prediction`` (``hints.py``), read when it starts;
+  texts are tokenized with the model's tokenizer;
+- **the target's logits**: never. The drafter gets no ``observe`` calls, so
+  token recycling and lookahead are off (``options.VLLM_FIXED``);
+- **forward times**: the time from the end of one ``propose`` to the start of
+  the next is the engine's step (forward, sampling, bookkeeping); it goes to the
+  drafter's ``on_forward`` with each row's tokens fed (1 + its draft), so the
+  mixture sizes drafts from the engine's measured cost, as under ``generate()``.
+
+Per-request state follows vLLM's requests through ``HostRequests`` (the
+lifecycle shared with the SGLang plugin): started from the row's whole sequence
+the first time a request has a committed token, extended with exactly the
+tokens vLLM committed (``num_tokens_no_spec`` grows by ``len(sampled)``),
+restarted where the two disagree, released on every exit.
+
+Nothing here may take the engine down: an exception while drafting for one
+request costs that request this step's draft and its state (it restarts next
+step); an exception outside the per-request loop costs the step's drafts. Each
+kind is logged once with its traceback and counted (``num_errors``).
+
+vLLM verifies chains only for these methods: the drafter's tree is cut to its
+most confident path (``Draft.best_chain``) of at most ``num_speculative_tokens``
+tokens, never past ``max_model_len``, and stops before any id outside the
+vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from typing import Hashable
+
+import numpy as np
+
+from freespec.draft import Budget
+from freespec.drafters.base import ForwardReport, encode_text
+
+from ..host_requests import HostRequests
+from . import hints, options
+from .version import check_vllm_version
+
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers print these lines
+TAIL_OVERLAP = 4  # tokens before the newly committed ones that must line up with what the drafter holds
+LOG_EVERY = 2000  # steps between two "served" log lines
+
+
+class Proposer:
+    """``speculative_config={"method": "custom_class", "model": "freespec.integrations.vllm.Proposer",
+    "num_speculative_tokens": K}``; the drafter comes from ``FREESPEC_VLLM_DRAFTER`` /
+    ``FREESPEC_VLLM_CONFIG`` (``options.py``, default: the mixture)."""
+
+    def __init__(self, vllm_config, *, drafter=None) -> None:
+        check_vllm_version()
+        spec = vllm_config.speculative_config
+        model_config = vllm_config.model_config
+        self.num_speculative_tokens = int(spec.num_speculative_tokens)
+        self.max_model_len = int(model_config.max_model_len)
+        self.vocab_size = int(model_config.get_vocab_size())
+        self._tokenizer_source = (model_config.tokenizer, getattr(model_config, "tokenizer_revision", None),
+                                  bool(getattr(model_config, "trust_remote_code", False)))
+        self._tokenizer = None
+        if drafter is None:
+            self.options = options.from_env()
+            drafter = options.build_drafter(self.options)
+        else:
+            self.options = None
+        drafter.warmup()
+        self.requests = HostRequests(drafter, on_start=self._add_hints)
+        self._runner = None
+        self._wrapped_update_states = None
+        self._last_rows: tuple = ()  # (request ids, tokens fed per row) of the step being run
+        self._step_began = None  # when the last propose returned: the engine's step runs from then
+        self.num_steps = self.num_rows = self.num_drafted = 0
+        self.num_errors = 0
+        self.num_hint_errors = 0
+        self._logged: set = set()
+        self._budgets: dict = {}  # (max_depth, batch_size) -> Budget
+        self._stats_path = os.environ.get(options.ENV_STATS) or None
+        name = self.options.drafter if self.options else getattr(drafter, "name", type(drafter).__name__)
+        logger.info("freespec: vLLM drafts come from drafter %r %s (num_speculative_tokens=%d)", name,
+                    self.options.drafter_options if self.options else {}, self.num_speculative_tokens)
+
+    @property
+    def drafter(self):
+        return self.requests.drafter
+
+    @property
+    def num_live_requests(self) -> int:
+        """Requests whose drafter state is held."""
+        return len(self.requests)
+
+    # ------------------------------------------------------------ vLLM's calls
+    def load_model(self, *args, **kwargs) -> None:
+        """Find the model runner that holds this proposer and follow its request exits."""
+        self.attach_runner(_find_holder(self))
+
+    def attach_runner(self, runner) -> None:
+        """Draft for ``runner``'s batch (``input_batch``, ``requests``) and release requests as it drops them."""
+        for attribute in ("input_batch", "requests", "_update_states"):
+            if not hasattr(runner, attribute):
+                raise RuntimeError(f"freespec: vLLM's model runner {type(runner).__name__} has no {attribute!r}; "
+                                   f"this vLLM is not one freespec supports")
+        self._runner = runner
+        update_states = runner._update_states
+
+        def _update_states(scheduler_output, *args, **kwargs):
+            result = update_states(scheduler_output, *args, **kwargs)
+            self._release_exits(scheduler_output)
+            return result
+
+        runner._update_states = _update_states
+        self._wrapped_update_states = update_states
+
+    def detach_runner(self) -> None:
+        """Undo ``attach_runner`` (tests)."""
+        if self._runner is not None and self._wrapped_update_states is not None:
+            self._runner.__dict__.pop("_update_states", None)
+        self._runner = self._wrapped_update_states = None
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None,
+                **kwargs) -> list[list[int]]:
+        """One list of draft ids per row of vLLM's batch (empty: no draft for that row)."""
+        began = time.perf_counter()
+        try:
+            drafts = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, began)
+        except Exception as exc:  # never the engine: this step goes without drafts
+            self._error("step", exc)
+            drafts = [[] for _ in sampled_token_ids]
+            self._last_rows = ()
+        self._step_began = time.perf_counter()
+        return drafts
+
+    # ------------------------------------------------------------ drafting
+    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, began: float) -> list[list[int]]:
+        batch = self._input_batch(token_ids_cpu)
+        self._report_forward(began)
+        req_ids = batch.req_ids
+        self.requests.release_absent(batch.req_id_to_index)
+        rows = [i for i, sampled in enumerate(sampled_token_ids) if sampled]  # none: a partial prefill
+        budget_rows = max(1, len(rows))
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        fed_ids, fed_tokens = [], []
+        for i in rows:
+            req_id = req_ids[i]
+            num_tokens = int(num_tokens_no_spec[i])
+            try:
+                drafts[i] = self._draft_row(req_id, i, len(sampled_token_ids[i]), num_tokens, token_ids_cpu,
+                                            budget_rows)
+            except Exception as exc:  # this request drafts nothing this step, and restarts at the next
+                self._error(f"request:{type(exc).__name__}", exc, req_id)
+                self.requests.discard(req_id)
+            fed_ids.append(req_id)
+            fed_tokens.append(1 + len(drafts[i]))
+        self._last_rows = (tuple(fed_ids), tuple(fed_tokens))
+        self._count(sum(len(d) for d in drafts), len(rows))
+        return drafts
+
+    def _draft_row(self, req_id: Hashable, row: int, num_sampled: int, num_tokens: int, token_ids_cpu,
+                   batch_size: int) -> list[int]:
+        max_depth = min(self.num_speculative_tokens, self.max_model_len - num_tokens - 1)
+        tail = token_ids_cpu[row, max(0, num_tokens - num_sampled - TAIL_OVERLAP):num_tokens].tolist()
+        self.requests.sync(req_id, tail, num_tokens, lambda: token_ids_cpu[row, :num_tokens].copy())
+        if max_depth <= 0:
+            return []
+        draft = self.drafter.propose(req_id, self._budget(max_depth, batch_size))
+        if draft.num_nodes == 0:
+            return []
+        ids = draft.token_ids.tolist()
+        chain = [ids[node] for node in draft.best_path()[:max_depth]]
+        if max(chain) >= self.vocab_size:  # never an id outside the vocabulary: stop before the first
+            chain = chain[:next(i for i, token in enumerate(chain) if token >= self.vocab_size)]
+        return chain
+
+    def _budget(self, max_depth: int, batch_size: int) -> Budget:
+        key = (max_depth, batch_size)
+        budget = self._budgets.get(key)
+        if budget is None:
+            budget = self._budgets[key] = Budget(self.num_speculative_tokens, max_depth, batch_size)
+        return budget
+
+    def _input_batch(self, token_ids_cpu):
+        if self._runner is None:  # load_model was not called (a vLLM that skips it): find the runner now
+            self.attach_runner(_find_holder(self))
+        batch = self._runner.input_batch
+        if batch.token_ids_cpu is not token_ids_cpu:
+            raise RuntimeError("the token_ids_cpu vLLM handed propose() is not its input batch's; rows cannot be "
+                               "matched to requests")
+        return batch
+
+    def _report_forward(self, began: float) -> None:
+        """The step since the last ``propose`` returned, with the tokens each row fed, to ``on_forward``."""
+        if self._step_began is not None and self._last_rows and self._last_rows[0]:
+            request_ids, tokens_per_row = self._last_rows
+            self.drafter.on_forward(ForwardReport(request_ids, tokens_per_row, began - self._step_began))
+
+    # ------------------------------------------------------------ requests
+    def _release_exits(self, scheduler_output) -> None:
+        """After vLLM's ``_update_states``: release finished, aborted and preempted requests."""
+        try:
+            leaving = set(getattr(scheduler_output, "finished_req_ids", ()) or ())
+            leaving |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+            gone = [r for r in self.requests.ids() if r in leaving or r not in self._runner.requests]
+            self.requests.release(gone)
+            if gone and self._stats_path:
+                self.write_stats(self._stats_path)
+        except Exception as exc:
+            self._error("release", exc)
+
+    def stats(self) -> dict:
+        """Serving counters: live requests, starts, restarts, steps, drafted tokens, errors."""
+        return {"live_requests": len(self.requests), "starts": self.requests.num_starts,
+                "restarts": self.requests.num_restarts, "steps": self.num_steps, "rows": self.num_rows,
+                "drafted_tokens": self.num_drafted, "errors": self.num_errors, "hint_errors": self.num_hint_errors}
+
+    def write_stats(self, path: str) -> None:
+        """``stats()`` as JSON at ``path`` (replaced atomically); the proposer writes it after requests leave
+        when ``FREESPEC_VLLM_STATS`` names a file."""
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as out:
+            json.dump({**self.stats(), "pid": os.getpid(), "time": time.time()}, out)
+        os.replace(tmp, path)
+
+    def _add_hints(self, req_id: Hashable) -> None:
+        """A (re)started request's ``documents`` / ``prediction`` from its ``SamplingParams.extra_args``."""
+        state = self._runner.requests.get(req_id) if self._runner is not None else None
+        params = getattr(state, "sampling_params", None)
+        try:
+            found = hints.parse(getattr(params, "extra_args", None))
+            if found is None:
+                return
+            if found.documents:
+                self.drafter.add_documents(req_id, list(found.documents), self._tokenizer_for(found.documents))
+            if found.prediction is not None:
+                prediction = found.prediction
+                ids = encode_text(prediction, self._tokenizer_for([prediction])) if isinstance(prediction, str) \
+                    else np.asarray(prediction, np.int64)
+                self.drafter.add_prediction(req_id, ids)
+        except Exception as exc:  # the request drafts without its hints
+            self.num_hint_errors += 1
+            self._error(f"hints:{type(exc).__name__}", exc, req_id)
+
+    def _tokenizer_for(self, items):
+        if not any(isinstance(item, str) for item in items):
+            return None
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            name, revision, trust_remote_code = self._tokenizer_source
+            self._tokenizer = AutoTokenizer.from_pretrained(name, revision=revision,
+                                                            trust_remote_code=trust_remote_code)
+        return self._tokenizer
+
+    # ------------------------------------------------------------ accounting
+    def _error(self, kind: str, exc: BaseException, req_id: Hashable = None) -> None:
+        self.num_errors += 1
+        if kind not in self._logged:
+            self._logged.add(kind)
+            where = f" for request {req_id!r}" if req_id is not None else ""
+            logger.error("freespec: drafting failed%s (%s; later failures of this kind are counted, not logged, "
+                         "%d so far): %s\n%s", where, kind, self.num_errors, exc,
+                         "".join(traceback.format_exception(exc)))
+
+    def _count(self, num_drafted: int, num_rows: int) -> None:
+        """Serving counters; a log line at the first draft and every ``LOG_EVERY`` steps."""
+        if num_drafted and not self.num_drafted:
+            logger.info("freespec: serving drafts (first: %d tokens for %d requests)", num_drafted, num_rows)
+        self.num_steps += 1
+        self.num_rows += num_rows
+        self.num_drafted += num_drafted
+        if self.num_steps % LOG_EVERY == 0:
+            logger.info("freespec: %s", self.stats())
+
+
+def _find_holder(proposer, max_frames: int = 8):
+    """The object up the call stack whose ``drafter`` is ``proposer`` (vLLM's model runner)."""
+    frame = sys._getframe(1)
+    for _ in range(max_frames):
+        if frame is None:
+            break
+        holder = frame.f_locals.get("self")
+        if holder is not proposer and getattr(holder, "drafter", None) is proposer:
+            return holder
+        frame = frame.f_back
+    raise RuntimeError("freespec: the vLLM model runner that holds this proposer was not found up the call stack "
+                       "of load_model/propose; this vLLM is not one freespec supports")
