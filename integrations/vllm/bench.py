@@ -74,7 +74,7 @@ def run_method(args) -> dict:
     spec = METHODS[args.method]
     if spec is not None:
         spec = {**spec, "num_speculative_tokens": args.k}
-    llm = LLM(model=args.model_dir, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
+    llm = LLM(model=args.model_dir, dtype=args.dtype, enforce_eager=not args.compile, max_model_len=args.max_model_len,
               seed=0, speculative_config=spec, disable_log_stats=False)
     workloads = json.loads(Path(args.prompts).read_text())
     result = {}
@@ -358,7 +358,10 @@ def main(argv=None) -> int:
     parser.add_argument("--spec-bench-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8, help="the second concurrency")
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--order", choices=["abba", "ab"], default="abba")
+    parser.add_argument("--order", choices=["abba", "ab"], default="abba",
+                        help="abba: the methods, then again in reverse (cancels drift); ab: once each")
+    parser.add_argument("--compile", action="store_true",
+                        help="let vLLM compile the model and capture graphs (its default; slower to start)")
     parser.add_argument("--out", default="bench_out/vllm")
     parser.add_argument("--propose-cost", action="store_true", help="time propose() per step instead (no engine)")
     parser.add_argument("--prompt-len", type=int, default=1024, help="--propose-cost: prompt tokens")
@@ -408,7 +411,7 @@ def main(argv=None) -> int:
                    "--model-dir", model_dir, "--prompts", str(prompts), "--out", str(result_path),
                    "--dtype", args.dtype, "--k", str(args.k), "--batch", str(args.batch),
                    "--max-model-len", str(args.max_model_len), "--code-edit-tokens", str(args.code_edit_tokens),
-                   "--spec-bench-tokens", str(args.spec_bench_tokens)]
+                   "--spec-bench-tokens", str(args.spec_bench_tokens)] + (["--compile"] if args.compile else [])
         env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
         print(f"vllm bench: run {i + 1}/{len(order)}: {method}", flush=True)
         with open(out / f"run{i}-{method}.log", "w") as log:

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The serving comparison on one GPU: plain vLLM, vLLM ngram, vLLM suffix and vLLM with freespec's proposer,
+# the same model, dtype and engine settings, the same prompts (code edits and Spec-Bench), engines in the
+# order A B C D D C B A, concurrency 1 and 8; prints one table (integrations/vllm/bench.py). About 8 engine
+# starts of a 0.5B model plus the runs: within 10 minutes on one recent GPU.
+#   bash examples/gpu/vllm_compare.sh [extra bench arguments]
+# Needs the official vLLM build (pip install ".[vllm]" arctic-inference) and a CUDA device.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "vllm_compare: no CUDA device on this machine (nvidia-smi finds none); nothing to run" >&2
+  exit 0
+fi
+python -c "import vllm" 2>/dev/null || { echo "vllm_compare: vLLM is not installed: pip install \".[vllm]\"" >&2; exit 2; }
+exec python -m freespec.integrations.vllm.bench --model qwen2.5-coder-0.5b --dtype bfloat16 --compile \
+  --code-edit 8 --spec-bench 16 --out runs/gpu-vllm "$@"
