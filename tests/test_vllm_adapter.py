@@ -295,3 +295,13 @@ def test_best_path_matches_its_naive_twin(seed):
     assert draft.best_path() == expected
     assert draft.best_chain().token_ids.tolist() == draft.token_ids[expected].tolist()
     assert Draft(draft.token_ids, parents).best_path() == _naive_best_path(parents, [0.0] * n, [True] * n)
+
+
+def test_attaching_twice_wraps_the_runner_once(monkeypatch):
+    prop, runner = _proposer(monkeypatch, Recording())
+    wrapped = runner._update_states
+    prop.attach_runner(runner)
+    assert runner._update_states is wrapped
+    runner.step({"a": [1, 2]}, {"a": [2]})
+    runner.step({}, {}, finished=["a"])
+    assert prop.num_live_requests == 0 and runner.updates == 2

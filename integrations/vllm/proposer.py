@@ -94,7 +94,6 @@ class Proposer:
         drafter.warmup()
         self.requests = HostRequests(drafter, on_start=self._add_hints)
         self._runner = None
-        self._wrapped_update_states = None
         self._last_rows: tuple = ()  # (request ids, tokens fed per row) of the step being run
         self._step_began = None  # when the last propose returned: the engine's step runs from then
         self.num_steps = self.num_rows = self.num_drafted = 0
@@ -122,7 +121,12 @@ class Proposer:
         self.attach_runner(_find_holder(self))
 
     def attach_runner(self, runner) -> None:
-        """Draft for ``runner``'s batch (``input_batch``, ``requests``) and release requests as it drops them."""
+        """Draft for ``runner``'s batch (``input_batch``, ``requests``) and release requests as it drops them.
+
+        Wraps ``_update_states`` on that runner instance once; attaching to the runner already followed is a no-op."""
+        if runner is self._runner:
+            return
+        self.detach_runner()
         for attribute in ("input_batch", "requests", "_update_states"):
             if not hasattr(runner, attribute):
                 raise RuntimeError(f"freespec: vLLM's model runner {type(runner).__name__} has no {attribute!r}; "
@@ -136,13 +140,12 @@ class Proposer:
             return result
 
         runner._update_states = _update_states
-        self._wrapped_update_states = update_states
 
     def detach_runner(self) -> None:
         """Undo ``attach_runner`` (tests)."""
-        if self._runner is not None and self._wrapped_update_states is not None:
-            self._runner.__dict__.pop("_update_states", None)
-        self._runner = self._wrapped_update_states = None
+        if self._runner is not None:
+            vars(self._runner).pop("_update_states", None)
+        self._runner = None
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None,
                 **kwargs) -> list[list[int]]:
