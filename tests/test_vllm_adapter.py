@@ -305,3 +305,32 @@ def test_attaching_twice_wraps_the_runner_once(monkeypatch):
     runner.step({"a": [1, 2]}, {"a": [2]})
     runner.step({}, {}, finished=["a"])
     assert prop.num_live_requests == 0 and runner.updates == 2
+
+
+def test_serving_bench_summary_speedups_best_k_categories_and_identity(tmp_path):
+    """The serving benchmark's summary: rates are each configuration's tokens over its seconds summed over its
+    runs, speedups over plain vLLM, each method's best K beside the default, per-category speedups from each
+    request's own seconds at concurrency 1, and an output that differs from plain vLLM's flagged."""
+    from freespec.integrations.vllm import bench
+
+    def run(seconds, request_seconds, outputs):
+        return {"code-edit@1": {"seconds": seconds, "tokens": sum(map(len, outputs)), "outputs": outputs,
+                                "categories": ["rename", "fix-bug"], "request_seconds": request_seconds,
+                                "mean_accepted_length": 2.0}}
+
+    same = [[1, 2, 3, 4], [5, 6]]
+    runs = {"vanilla": [run(6.0, [4.0, 2.0], same), run(6.0, [4.0, 2.0], same)],
+            "ngram-k8": [run(3.0, [2.0, 1.0], same), run(3.0, [2.0, 1.0], same)],
+            "ngram-k16": [run(2.0, [1.0, 1.0], same), run(2.0, [1.0, 1.0], [[1, 2, 3, 9], [5, 6]])]}
+    configs = [("vanilla", "vanilla", None), ("ngram-k8", "ngram", 8), ("ngram-k16", "ngram", 16)]
+    table = bench._summarize(runs, configs, 8, tmp_path)
+    results = json.loads((tmp_path / "results.json").read_text())
+    speedups = {row["label"]: row["speedup"] for row in results["rows"]}
+    assert speedups == pytest.approx({"vanilla": 1.0, "ngram-k8": 2.0, "ngram-k16": 3.0})
+    assert [row["identical_to_plain"] for row in results["rows"]] == [True, True, False]
+    assert results["best_k"] == [{"workload": "code-edit", "concurrency": 1, "method": "ngram", "best_k": 16,
+                                  "speedup_at_best_k": pytest.approx(3.0), "speedup_at_default_k": pytest.approx(2.0)}]
+    by_category = {(row["label"], row["category"]): row["speedup"] for row in results["categories"]}
+    assert by_category[("ngram-k16", "rename")] == pytest.approx(4.0)  # 8 tokens in 2 s against 8 in 8 s
+    assert by_category[("ngram-k8", "fix-bug")] == pytest.approx(2.0)
+    assert "| code-edit | 1 | ngram | 16 | 3.0 | 3.00x | 2.00 | NO |" in table

