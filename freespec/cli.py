@@ -88,6 +88,12 @@ def _add_bench_parser(sub) -> None:
                             "real, and freespec's cost model learns the simulated curve; batch size 1")
     bench.add_argument("--one-token-ms", type=float, metavar="MS",
                        help="with --simulate: time of a one-token forward (default: the results.json's, else 100)")
+    bench.add_argument("--device-model", metavar="SPEC",
+                       help="with --simulate: charge every method's tensor work on the model's device outside "
+                            "forwards (kernels, bytes moved, copies, round trips, counted per call) at a stated "
+                            "device's prices instead of this machine's: a preset (h200, h100, a100, l4), key=value "
+                            "pairs (bandwidth=3000GB/s,launch_us=10[,link=25GB/s,round_trip_us=10]) or a preset "
+                            "with changes (a100,launch_us=8); see docs/benchmarking.md")
     bench.add_argument("--no-cost-probe", action="store_true",
                        help="skip measuring the cost curve c(k) before the prompts (~20 s on smollm2-135m)")
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -151,6 +157,7 @@ def bench_command(args, argv=None) -> int:
     omp_note = _set_omp_wait_policy()
     methods, categories, items = _bench_inputs(args)  # every argument is checked before the model loads
     simulate = _simulated_curve(args)
+    device_model = _device_model(args)
 
     import torch
 
@@ -176,15 +183,19 @@ def bench_command(args, argv=None) -> int:
 
     if simulate is not None:
         print(f"simulating a machine: {simulate.describe()}", flush=True)
+    if device_model is not None:
+        print(f"tensor work on the device charged by the model {device_model.describe()}", flush=True)
     run = run_bench(model, tokenizer, items, methods, max_new_tokens=args.max_new_tokens,
                     temperature=args.temperature, seed=args.seed, warmup=not args.no_warmup,
                     save_traces=args.save_traces, progress=not args.no_progress, batch_size=args.batch_size,
-                    simulate=simulate)
+                    simulate=simulate, device_model=device_model)
     results = _bench_results(args, argv, methods, categories, run, notes, cost_curve)
     if simulate is not None:
         results["simulated"] = {"sizes": list(simulate.sizes), "ratios": list(simulate.ratios),
                                 "one_token_ms": simulate.one_token_ms, "source": simulate.source,
                                 "description": simulate.describe()}
+    if device_model is not None:
+        results["device_model"] = device_model.as_dict()
     return _write_bench_outputs(args, results, run)
 
 
@@ -220,6 +231,18 @@ def _simulated_curve(args):
         raise ValueError(f"--simulate prices one row's forwards (a cost curve of a batch of one): it needs "
                          f"--batch-size 1, got {args.batch_size}")
     return _cost_curve_argument(args.simulate, args.one_token_ms, "--simulate")
+
+
+def _device_model(args):
+    """The ``DeviceModel`` of ``--device-model``, or None; checked before the model loads."""
+    if args.device_model is None:
+        return None
+    if args.simulate is None:
+        raise ValueError("--device-model prices the tensor work of a simulated machine: it needs --simulate (a cost "
+                         "curve for the forwards)")
+    from .bench.device import DeviceModel
+
+    return DeviceModel.parse(args.device_model)
 
 
 def _bench_inputs(args):

@@ -14,6 +14,10 @@ Metrics of a method over a set of prompts (a category, or all):
 - ``outside_forward_ms_per_forward``: wall time outside the model's forwards per forward (every method);
   ``host_ms_per_forward`` / ``tensor_ms_per_forward``: freespec's split of its own time outside forwards
   into host work and tensor work on the model's device (``SpecStats.host_s`` / ``tensor_s``).
+- ``device`` (runs with ``--device-model``, every method): per forward, the kernels, bytes they move, bytes
+  copied and round trips counted outside forwards, their measured ms, the device model's charge for them
+  (``charged_ms``, in the simulated times) and the host work around them (``host_ms``: the rest of the time
+  outside forwards).
 - ``fed_per_step``: tokens fed per row and forward after the prefill (root + draft nodes;
   in a batch, the widest row's, as every row is padded to it).
 - ``width_shares``: the share of those forwards in each band of ``WIDTH_BANDS`` (1, 2-8,
@@ -130,7 +134,27 @@ def method_metrics(prompts: Sequence[dict], label: str, vanilla: str | None, hf_
             "tensor_ms_per_forward": _per_forward(engines, "tensor_s", engine_forwards),
             "host_ms_per_forward": _per_forward(engines, "host_s", engine_forwards),
         })
+    if records and all("device" in r for r in records):
+        metrics["device"] = device_metrics(records, forwards)
     return metrics
+
+
+def device_metrics(records: Sequence[dict], forwards: int) -> dict[str, float] | None:
+    """Per forward: what ``DeviceOps`` counted outside forwards and the device model's charge for it.
+
+    One record of 2 forwards with ``device = {kernels: 10, kernel_bytes: 4000, copy_bytes: 100, round_trips: 4,
+    measured_s: 0.002, charged_s: 0.0001}`` and ``outside_forward_s`` 0.01 -> ``{"kernels": 5, "kernel_kb": 2,
+    "copy_kb": 0.05, "round_trips": 2, "measured_ms": 1, "charged_ms": 0.05, "host_ms": 4}``.
+    """
+    if not forwards:
+        return None
+    total = {key: sum(r["device"][key] for r in records)
+             for key in ("kernels", "kernel_bytes", "copy_bytes", "round_trips", "measured_s", "charged_s")}
+    outside = sum(r["outside_forward_s"] for r in records)
+    return {"kernels": total["kernels"] / forwards, "kernel_kb": total["kernel_bytes"] / 1e3 / forwards,
+            "copy_kb": total["copy_bytes"] / 1e3 / forwards, "round_trips": total["round_trips"] / forwards,
+            "measured_ms": 1e3 * total["measured_s"] / forwards, "charged_ms": 1e3 * total["charged_s"] / forwards,
+            "host_ms": 1e3 * (outside - total["measured_s"]) / forwards}
 
 
 def _per_forward(records: Sequence[dict], key: str, forwards: int) -> float | None:
@@ -246,6 +270,22 @@ def _off_forward(m: dict) -> str:
     return f"{outside:.1f} ({m['host_ms_per_forward']:.1f}+{m['tensor_ms_per_forward']:.1f})"
 
 
+DEVICE_TITLE = "Tensor work on the model's device outside forwards, per forward (host: the rest of that time)"
+
+
+def device_title(results: dict) -> str:
+    return f"{DEVICE_TITLE}; charged by the device model {results['device_model']['description']}"
+
+
+def device_rows(summary: dict) -> tuple[list[str], list[list[str]]] | None:
+    """A row per method with ``device`` metrics (``--device-model`` runs); None when none has them."""
+    header = ["method", "kernels", "KB moved", "KB copied", "round trips", "measured ms", "charged ms", "host ms"]
+    rows = [[label, f"{d['kernels']:.1f}", f"{d['kernel_kb']:.0f}", f"{d['copy_kb']:.1f}", f"{d['round_trips']:.1f}",
+             f"{d['measured_ms']:.2f}", f"{d['charged_ms']:.3f}", f"{d['host_ms']:.2f}"]
+            for label, m in summary["overall"].items() if (d := m.get("device"))]
+    return (header, rows) if rows else None
+
+
 def category_rows(summary: dict, what: str) -> tuple[list[str], list[list[str]]]:
     """Rows per category, a column per method: ``what`` is "speedup" (median vs vanilla) or "tau"."""
     labels = list(summary["overall"])
@@ -354,17 +394,23 @@ def simulated_note(results: dict) -> str | None:
             f"{simulated['one_token_ms']:.1f} ms of the cost curve {simulated['description']}; outputs, drafts and "
             f"the time outside forwards are real (measured on this machine), and freespec's cost model learned "
             f"the simulated curve. tok/s, wall s, CPU s and speedups are simulated (measured ones: measured_wall_s, "
-            f"measured_cpu_s per prompt in results.json); draft % is a share of the measured time.")
+            f"measured_cpu_s per prompt in results.json); draft % is a share of the measured time."
+            + (f" Tensor work on the device outside forwards is charged by the device model "
+               f"{results['device_model']['description']} instead of its measured time (every method; see its table)."
+               if results.get("device_model") else ""))
 
 
 def console_report(results: dict) -> str:
     summary = results["summary"]
     parts = ([simulated_note(results), ""] if results.get("simulated") else []) + [
              "Overall (speedups: median of per-prompt ratios / ratio of totals)",
-             text_table(*overall_rows(summary)), "",
-             "Speedup over vanilla by category (median of per-prompt ratios)"
-             if summary["vanilla"] else "tau by category",
-             text_table(*category_rows(summary, "speedup" if summary["vanilla"] else "tau")), ""]
+             text_table(*overall_rows(summary)), ""]
+    devices = device_rows(summary) if results.get("device_model") else None
+    if devices:
+        parts += [device_title(results), text_table(*devices), ""]
+    parts += ["Speedup over vanilla by category (median of per-prompt ratios)"
+              if summary["vanilla"] else "tau by category",
+              text_table(*category_rows(summary, "speedup" if summary["vanilla"] else "tau")), ""]
     if summary["vanilla"]:
         parts += ["tau by category", text_table(*category_rows(summary, "tau")), ""]
     if identity_summary(results):
@@ -401,6 +447,9 @@ def markdown_report(results: dict) -> str:
         markdown_table(*overall_rows(summary)),
         "",
     ]
+    devices = device_rows(summary) if results.get("device_model") else None
+    if devices:
+        parts += [device_title(results) + ":", "", markdown_table(*devices), ""]
     if summary["vanilla"]:
         parts += ["Speedup over vanilla by category (median of per-prompt ratios):", "",
                   markdown_table(*category_rows(summary, "speedup")), ""]

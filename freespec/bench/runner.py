@@ -17,7 +17,11 @@ model's device (``engine.tensor_s``: the step's two copies, logits conversion,
 processors, argmax / sampling, top-k, cache moves) and host work (``engine.host_s``:
 Python, Numba, drafting, bookkeeping, paid as it is on any device). Under
 ``simulate`` the forwards are charged the curve's time but tensor work stays as
-measured, at this machine's prices, and is reported apart so a reader can price it.
+measured, at this machine's prices, and is reported apart so a reader can price it,
+unless a ``DeviceModel`` prices it (``device_model``, ``freespec bench --device-model``):
+then ``freespec.testing.device_ops.DeviceOps`` counts every method's work on the
+model's device outside forwards (kernels, bytes, copies, round trips) and the record's
+times carry the model's charge for it instead of its measured time (``device``).
 
 Simulating another machine (``simulate``, ``freespec bench --simulate``): the hook
 also times every forward and charges it a ``CostCurve``'s time instead; a record's
@@ -227,7 +231,7 @@ def conversation(item: Item, turn: int, answers: Sequence[str]) -> list[dict]:
 
 
 def run_method(runner: MethodRunner, model, counter: ForwardCounter, input_ids, gen_kwargs: dict,
-               eos_ids: Sequence[int] = ()):
+               eos_ids: Sequence[int] = (), device_model=None):
     """One method on one batch of prompts (B >= 1): ``(output ids per row, record, SpecStats or None)``.
 
     The record holds new tokens (all rows), the hook's forward count, row-forwards
@@ -237,21 +241,35 @@ def run_method(runner: MethodRunner, model, counter: ForwardCounter, input_ids, 
     row's output ends at its first token of ``eos_ids``; ``rows_past_eos`` counts
     rows with anything but the pad token (or an EOS, which generate() pads with when
     there is no pad token) after it: a bug of the method.
+
+    ``device_model`` (a ``DeviceModel``, with a simulating ``counter``): the work on the model's device outside
+    forwards is counted (``DeviceOps``) and charged the model's price in place of its measured time; the
+    record's ``device`` holds the counts, ``measured_s`` and ``charged_s``.
     """
+    import contextlib
+
     import torch
 
+    from ..testing.device_ops import DeviceOps
+
     counter.reset()
-    with torch.inference_mode():
+    ops = DeviceOps(model) if device_model is not None else None
+    with torch.inference_mode(), ops if ops is not None else contextlib.nullcontext():
         t0, c0 = time.perf_counter(), time.process_time()
         out, stats = runner.generate(model, input_ids, gen_kwargs)
         wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     outside_forward_s = wall_s - counter.forward_s  # measured: host work and tensor work between forwards
-    simulated = {}
+    simulated, device = {}, {}
     if counter.simulate is not None:  # the forwards at the curve's price, everything else as measured
         simulated = {"measured_wall_s": wall_s, "measured_cpu_s": cpu_s, "measured_forward_s": counter.forward_s,
                      "simulated_forward_s": counter.simulated_s}
         wall_s += counter.simulated_s - counter.forward_s
         cpu_s += counter.simulated_s - counter.forward_cpu_s
+    if ops is not None:  # the device's work at the model's price instead of this machine's
+        charged_s = device_model.charge_work(ops.work)
+        device = {"device": {**ops.work.as_dict(), "charged_s": charged_s}}
+        wall_s += charged_s - ops.work.measured_s
+        cpu_s += charged_s - ops.work.measured_s
     rows = out[:, input_ids.shape[1]:].tolist()
     outputs = [row_output(row, eos_ids) for row in rows]
     filler = {gen_kwargs.get("pad_token_id"), *eos_ids}
@@ -269,7 +287,7 @@ def run_method(runner: MethodRunner, model, counter: ForwardCounter, input_ids, 
         "forward_widths": {str(width): count for width, count in sorted(counter.widths.items())},
         "row_new_tokens": row_tokens, "rows_past_eos": past_eos,
         "engine": _stats_record(stats),
-        **simulated,
+        **simulated, **device,
     }
     return outputs, record, stats
 
@@ -315,22 +333,27 @@ def compare_outputs(outputs: dict[str, list[int]], reference: str) -> list[dict]
 def run_bench(model, tokenizer, items: Sequence[Item], methods: Sequence[MethodSpec], *,
               max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0, warmup: bool = True,
               save_traces: bool = False, progress: bool = True, batch_size: int = 1, simulate=None,
-              log: Callable[[str], None] = print) -> BenchRun:
+              device_model=None, log: Callable[[str], None] = print) -> BenchRun:
     """Run every method on every prompt of ``items``, ``batch_size`` prompts at a time; see the module docstring.
 
     ``simulate``: a ``CostCurve``; every target forward is then charged the curve's time instead
     of its measured time, and freespec's drafters see that time (see ``ForwardCounter``).
+    ``device_model``: a ``DeviceModel`` (with ``simulate``); the work on the model's device outside forwards
+    is then charged its price instead of its measured time (see ``run_method``).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if simulate is not None and batch_size != 1:
         raise ValueError(f"simulate: a cost curve prices one row's forwards; it needs batch_size 1, got {batch_size}")
+    if device_model is not None and simulate is None:
+        raise ValueError("device_model prices the tensor work of a simulated machine: it needs simulate (a cost "
+                         "curve for the forwards)")
     run = BenchRun(greedy=temperature <= 0, batch_size=batch_size)
     runners = _build_runners(methods, run, log)
     if any(r.method.use_prediction for r in runners) and not any(item.predictions for item in items):
         run.notes.append("a method asks for prediction=true but no item carries a prediction: it ran without one")
     gen_kwargs = _generation_kwargs(tokenizer, max_new_tokens, temperature, seed, run)
-    loop = _Loop(model, tokenizer, runners, run, gen_kwargs, seed, save_traces, log, simulate)
+    loop = _Loop(model, tokenizer, runners, run, gen_kwargs, seed, save_traces, log, simulate, device_model)
     try:
         if warmup:
             loop.warm_up()
@@ -396,8 +419,9 @@ class _Loop:
     """The state ``run_bench`` carries from batch to batch: the hook, the record index, the progress bar."""
 
     def __init__(self, model, tokenizer, runners, run: BenchRun, gen_kwargs: dict, seed: int, save_traces: bool,
-                 log, simulate=None):
+                 log, simulate=None, device_model=None):
         self.model, self.tokenizer, self.runners, self.run = model, tokenizer, runners, run
+        self.device_model = device_model
         self.gen_kwargs, self.seed, self.save_traces, self.log = gen_kwargs, seed, save_traces, log
         self.counter = ForwardCounter(model, simulate)
         if simulate is not None:
@@ -444,7 +468,7 @@ class _Loop:
                 torch.manual_seed(self.seed * 1_000_003 + index)
             outputs[label], results[label], stats = run_method(
                 runner, self.model, self.counter, input_ids,
-                _with_prediction(runner, call_kwargs, predictions, self.tokenizer), self.eos_ids)
+                _with_prediction(runner, call_kwargs, predictions, self.tokenizer), self.eos_ids, self.device_model)
             disagreement = engine_disagreement(label, index, stats, results[label])
             if disagreement:
                 run.notes.append(disagreement)
