@@ -57,3 +57,42 @@ def test_a_bfloat16_difference_fails_only_with_require_identical(tmp_path, tiny_
         script.main(base + ["--allow-mismatch", "--require-identical"])
     assert refused.value.code == 2
     assert "--allow-mismatch and --require-identical contradict" in capsys.readouterr().err
+
+
+CHECK = SCRIPT.parent / "check.py"
+
+
+def _load_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", CHECK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_check_says_there_is_no_cuda_and_exits(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _load_check().main([]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_the_check_runs_its_path_on_the_cpu(tmp_path, tiny_model, capsys):  # noqa: F811
+    """--cpu-dry-run: both workloads, every method, the round trips per step, one table."""
+    check = _load_check()
+    out = tmp_path / "check"
+    code = check.main(["--cpu-dry-run", "--dtype", "float32", "--spec-bench", str(_dataset(tmp_path)),
+                       "--out", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    table = text[text.index("workload  "):]
+    for workload in ("spec-bench", "code-edit"):
+        results = json.loads((out / workload / "results.json").read_text())
+        assert results["mismatches"] == [] and results["environment"]["command"].startswith(
+            "python examples/gpu/check.py")
+        for label in results["summary"]["overall"]:
+            line = next(row for row in table.splitlines() if row.split()[:2] == [workload, label])
+            assert line.split()[-1] != "-", line  # its syncs per step were counted
+    vanilla = next(row for row in table.splitlines() if row.split()[:2] == ["spec-bench", "vanilla"]).split()
+    assert vanilla[3] == "1.00" and vanilla[4] == "-"  # tau 1, no speedup over itself
+    assert "freespec" in table and "syncs/step" in table

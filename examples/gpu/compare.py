@@ -39,10 +39,10 @@ DEFAULT_METHODS = (
 
 def compare(model, tokenizer, dataset: str, methods: str = DEFAULT_METHODS, limit: int | None = None,
             max_new_tokens: int = 128, out: str | None = None, argv: list[str] | None = None,
-            cost_probe: bool = True) -> dict:
+            cost_probe: bool = True, script: str = "examples/gpu/compare.py") -> dict:
     """Run the comparison with ``model`` (already on its device) and return ``freespec bench``'s results dict.
 
-    ``argv``: the command line to record (default: this process's). ``cost_probe``: measure the
+    ``argv``: the command line of ``script`` to record (default: this process's). ``cost_probe``: measure the
     cost curve c(k) first (``freespec.bench.cost.measure_cost_curve``), as ``freespec bench`` does.
     """
     from freespec.bench.cost import measure_cost_curve
@@ -58,7 +58,7 @@ def compare(model, tokenizer, dataset: str, methods: str = DEFAULT_METHODS, limi
     run = run_bench(model, tokenizer, items, specs, max_new_tokens=max_new_tokens, progress=False)
     labels = [m.label for m in specs if m.label not in run.unavailable]
     env = environment()
-    env["command"] = shlex.join(["python", "examples/gpu/compare.py"] + list(sys.argv[1:] if argv is None else argv))
+    env["command"] = shlex.join(["python", script] + list(sys.argv[1:] if argv is None else argv))
     env["device"] = str(model.device)
     if model.device.type == "cuda":
         import torch
@@ -78,8 +78,22 @@ def compare(model, tokenizer, dataset: str, methods: str = DEFAULT_METHODS, limi
     return results
 
 
+def parse_checked(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser``'s arguments and ``--allow-mismatch`` / ``--require-identical`` (as ``freespec bench``), parsed;
+    both at once exit 2 naming them."""
+    from freespec.cli import add_mismatch_arguments, check_mismatch_arguments
+
+    add_mismatch_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        check_mismatch_arguments(args)
+    except ValueError as error:
+        parser.error(str(error))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    from freespec.cli import add_mismatch_arguments, check_mismatch_arguments, mismatch_fails
+    from freespec.cli import mismatch_fails
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2.5-coder-0.5b", help="registered name or local path")
@@ -91,12 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", help="write results.json and results.md here")
     parser.add_argument("--no-cost-probe", action="store_true", help="skip measuring the cost curve c(k) first")
-    add_mismatch_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        check_mismatch_arguments(args)
-    except ValueError as error:
-        parser.error(str(error))
+    args = parse_checked(parser, argv)
 
     import torch
 
