@@ -126,8 +126,16 @@ class Draft:
         return self.num_nodes
 
     def depths(self) -> np.ndarray:
-        """Depth of each node, 1 for children of the root: ``[-1, 0, 0, 1] -> [1, 2, 2, 3]``."""
-        return node_depths(self.parents)
+        """Depth of each node, 1 for children of the root: ``[-1, 0, 0, 1] -> [1, 2, 2, 3]`` (read-only).
+
+        Computed once per draft (a draft is frozen) and kept: the sizer, the calibrator and
+        the engine's checks all read it in one step."""
+        depths = self.__dict__.get("_depths")
+        if depths is None:
+            depths = node_depths(self.parents)
+            depths.flags.writeable = False
+            object.__setattr__(self, "_depths", depths)
+        return depths
 
     def node_source(self, i: int) -> str:
         return self.sources[i] if self.sources else ""
@@ -139,6 +147,14 @@ class Draft:
     def candidate_mask(self) -> np.ndarray:
         """[n] bool, True for nodes the verifier may accept."""
         return np.ones(self.num_nodes, bool) if self.is_candidate is None else self.is_candidate
+
+    def rescored(self, confidence: np.ndarray, sources: tuple[str, ...]) -> "Draft":
+        """The same tree with new ``confidence`` ([n] float32) and ``sources`` (its depths kept, if known)."""
+        draft = Draft(self.token_ids, self.parents, confidence, sources, self.is_candidate)
+        depths = self.__dict__.get("_depths")
+        if depths is not None:
+            object.__setattr__(draft, "_depths", depths)
+        return draft
 
     def candidates(self) -> "Draft":
         """The tree without its not-candidate nodes (for hosts that verify candidates only)."""
@@ -155,22 +171,31 @@ class Draft:
             raise ValueError(f"Draft has {n} nodes but {len(self.sources)} sources")
         if self.is_candidate is not None and self.is_candidate.shape[0] != n:
             raise ValueError(f"Draft has {n} nodes but {self.is_candidate.shape[0]} is_candidate flags")
-        if n and (np.any(self.parents < -1) or np.any(self.parents >= np.arange(n))):
-            raise ValueError(f"Draft parents must satisfy -1 <= parents[i] < i, got {self.parents.tolist()}")
-        if n and np.any(self.token_ids < 0):
+        if n == 0:
+            return self
+        try:
+            depths = self.depths()  # its kernel checks the parents as it walks them
+        except ValueError:
+            raise ValueError(f"Draft parents must satisfy -1 <= parents[i] < i, got {self.parents.tolist()}") from None
+        if self.token_ids.min() < 0:
             raise ValueError("Draft token_ids must be non-negative")
-        is_candidate = self.candidate_mask()
-        if n and np.any(is_candidate & (self.parents >= 0) & ~is_candidate[np.maximum(self.parents, 0)]):
-            raise ValueError("Draft has a candidate node under a not-candidate node (it could never be accepted)")
-        seen = set()
-        for parent, token in zip(self.parents[is_candidate].tolist(), self.token_ids[is_candidate].tolist()):
-            if (parent, token) in seen:
-                raise ValueError(f"Draft has two candidate children of node {parent} with token {token}")
-            seen.add((parent, token))
+        parents, token_ids = self.parents, self.token_ids
+        if self.is_candidate is not None:
+            is_candidate = self.is_candidate
+            if np.any(is_candidate & (parents >= 0) & ~is_candidate[np.maximum(parents, 0)]):
+                raise ValueError("Draft has a candidate node under a not-candidate node (it could never be accepted)")
+            parents, token_ids = parents[is_candidate], token_ids[is_candidate]
+        children = list(zip(parents.tolist(), token_ids.tolist()))
+        if len(set(children)) < len(children):
+            seen = set()
+            for parent, token in children:
+                if (parent, token) in seen:
+                    raise ValueError(f"Draft has two candidate children of node {parent} with token {token}")
+                seen.add((parent, token))
         if budget is not None:
             if n > budget.num_nodes:
                 raise ValueError(f"Draft has {n} nodes, over the budget of {budget.num_nodes}")
-            if n and int(self.depths().max()) > budget.max_depth:
+            if int(depths.max()) > budget.max_depth:
                 raise ValueError(f"Draft is deeper than the budget's max_depth={budget.max_depth}")
         return self
 
@@ -209,17 +234,25 @@ class Draft:
     def select(self, nodes: np.ndarray) -> "Draft":
         """Sub-tree of the given nodes (ascending, closed under parents), renumbered."""
         nodes = np.asarray(nodes, np.int64)
-        new_index = np.full(self.num_nodes, -1, np.int64)
-        new_index[nodes] = np.arange(nodes.shape[0])
-        old_parents = self.parents[nodes]
-        parents = np.where(old_parents < 0, -1, new_index[np.maximum(old_parents, 0)])
-        return Draft(
+        node_list = nodes.tolist()
+        new_index = {old: new for new, old in enumerate(node_list)}
+        new_index[-1] = -1
+        old_parents = self.parents.tolist()
+        parents = [new_index.get(old_parents[i], -2) for i in node_list]  # -2: a parent left out
+        well_formed = all(-1 <= parent < k for k, parent in enumerate(parents))  # closed and ascending
+        chosen = Draft(
             self.token_ids[nodes],
-            parents.astype(np.int32),
+            np.array(parents if well_formed else [max(-1, parent) for parent in parents], np.int32),
             None if self.confidence is None else self.confidence[nodes],
-            tuple(self.sources[i] for i in nodes.tolist()) if self.sources else (),
+            tuple(self.sources[i] for i in node_list) if self.sources else (),
             None if self.is_candidate is None else self.is_candidate[nodes],
         )
+        depths = self.__dict__.get("_depths")
+        if depths is not None and well_formed:  # a node keeps its ancestors, so its depth
+            depths = depths[nodes]
+            depths.flags.writeable = False
+            object.__setattr__(chosen, "_depths", depths)
+        return chosen
 
     def best_chain(self) -> "Draft":
         """The candidate path that follows the most confident child at each node (the first, without confidence).
@@ -277,39 +310,49 @@ def merge(drafts: Sequence[Draft], num_nodes: int | None = None) -> Draft:
     Candidate and not-candidate nodes are never merged into each other.
     ``merge([chain([1, 2]), chain([1, 3])]) -> token_ids=[1, 2, 3], parents=[-1, 0, 0]``.
     """
+    merged = merge_indexed(drafts)[0]
+    return merged if num_nodes is None else merged.prune(num_nodes)
+
+
+def merge_indexed(drafts: Sequence[Draft]) -> tuple[Draft, list[list[int]]]:
+    """``merge(drafts)`` and, per draft, the merged node of each of its nodes.
+
+    ``merge_indexed([chain([1, 2]), chain([1, 3])])[1] -> [[0, 1], [0, 2]]``.
+    """
     token_ids: list[int] = []
     parents: list[int] = []
     confidence: list[float] = []
     sources: list[str] = []
     is_candidate: list[bool] = []
     index: dict[tuple[int, int, bool], int] = {}
+    node_maps: list[list[int]] = []
     for draft in drafts:
-        local = np.empty(draft.num_nodes, np.int64)
-        flags = draft.candidate_mask().tolist()
-        for i in range(draft.num_nodes):
-            parent = int(draft.parents[i])
-            merged_parent = -1 if parent < 0 else int(local[parent])
-            key = (merged_parent, int(draft.token_ids[i]), flags[i])
-            value = 1.0 if draft.confidence is None else float(draft.confidence[i])
-            if key in index:
-                j = index[key]
-                confidence[j] = max(confidence[j], value)
+        local: list[int] = []
+        flags = [True] * draft.num_nodes if draft.is_candidate is None else draft.is_candidate.tolist()
+        values = [1.0] * draft.num_nodes if draft.confidence is None else draft.confidence.tolist()
+        names = draft.sources or ("",) * draft.num_nodes
+        for parent, token, flag, value, name in zip(draft.parents.tolist(), draft.token_ids.tolist(), flags, values,
+                                                    names):
+            key = (-1 if parent < 0 else local[parent], token, flag)
+            j = index.get(key)
+            if j is not None:
+                if value > confidence[j]:
+                    confidence[j] = value
             else:
-                j = len(token_ids)
-                index[key] = j
-                token_ids.append(key[1])
-                parents.append(merged_parent)
+                j = index[key] = len(token_ids)
+                token_ids.append(token)
+                parents.append(key[0])
                 confidence.append(value)
-                sources.append(draft.node_source(i))
-                is_candidate.append(flags[i])
-            local[i] = j
-    fixed = np.asarray(confidence, np.float32)
+                sources.append(name)
+                is_candidate.append(flag)
+            local.append(j)
+        node_maps.append(local)
     for i, parent in enumerate(parents):  # max() across merged drafts can break monotonicity: restore it
-        if parent >= 0:
-            fixed[i] = min(fixed[i], fixed[parent])
-    merged = Draft(np.asarray(token_ids, np.int64), np.asarray(parents, np.int32), fixed,
+        if parent >= 0 and confidence[parent] < confidence[i]:
+            confidence[i] = confidence[parent]
+    merged = Draft(np.asarray(token_ids, np.int64), np.asarray(parents, np.int32), np.asarray(confidence, np.float32),
                    tuple(sources) if any(sources) else (), np.asarray(is_candidate, bool))
-    return merged if num_nodes is None else merged.prune(num_nodes)
+    return merged, node_maps
 
 
 class _Trie:

@@ -34,9 +34,10 @@ def check_parents(parents) -> np.ndarray:
 
 def node_depths(parents) -> np.ndarray:
     """Depth per node, 1 for children of the root: ``[-1, 0, 1, -1] -> [1, 2, 3, 1]``. [n] int64."""
-    parents = check_parents(parents)
+    parents = np.ascontiguousarray(parents, dtype=np.int32).reshape(-1)
     out = np.empty(parents.shape[0], np.int64)
-    node_depths_kernel(parents, out)
+    if node_depths_kernel(parents, out) >= 0:  # the kernel checks the parents as it walks them
+        raise ValueError(f"parents must satisfy -1 <= parents[i] < i, got {parents.tolist()}")
     return out
 
 

@@ -23,9 +23,13 @@ import numpy as np
 
 @numba.njit(cache=True)
 def node_depths_kernel(parents, out):  # parents [n] int32, out [n] int64
+    """-1, or the first node whose parent breaks ``-1 <= parents[i] < i`` (checked in the same pass)."""
     for i in range(parents.shape[0]):
         parent = parents[i]
+        if parent < -1 or parent >= i:
+            return i
         out[i] = 1 if parent < 0 else out[parent] + 1
+    return -1
 
 
 @numba.njit(cache=True)
