@@ -135,21 +135,22 @@ def coverage(steps: list[dict], finals: dict) -> dict:
 
 
 def _instrument(steps: list[dict], finals: dict):
-    """Wrap the sizer's ``select``, the mixture's ``_propose`` and ``Drafter.stop``; returns the undo."""
+    """Wrap the sizer's ``select_nodes`` (``select`` calls it), the mixture's ``_propose`` and ``Drafter.stop``;
+    returns the undo."""
     from freespec.drafters import base, calibration, mixture
 
-    select, propose, stop = calibration.DraftSizer.select, mixture.MixtureDrafter._propose, base.Drafter.stop
+    select, propose, stop = calibration.DraftSizer.select_nodes, mixture.MixtureDrafter._propose, base.Drafter.stop
     contexts: dict = {}
 
     def recording_select(self, request_id, draft, kinds, budget, extras=((0, 0.0),)):
-        kept, option = select(self, request_id, draft, kinds, budget, extras)
+        kept, nodes, option = select(self, request_id, draft, kinds, budget, extras)
         if request_id in contexts:
             sources = [kind[0] if isinstance(kind, tuple) else str(kind) for kind in kinds]
             confidence = None if draft.confidence is None else draft.confidence.copy()
             steps.append({"request": request_id, "context": contexts[request_id],
                           "pool": (draft.token_ids.copy(), draft.parents.copy(), confidence, sources),
                           "kept": (kept.token_ids.copy(), kept.parents.copy())})
-        return kept, option
+        return kept, nodes, option
 
     def recording_propose(self, request_id, budget):
         contexts[request_id] = int(self.context(request_id).shape[0])
@@ -164,12 +165,12 @@ def _instrument(steps: list[dict], finals: dict):
             finals[request_id] = np.asarray(self.context(request_id)).copy()
         return stop(self, request_id)
 
-    calibration.DraftSizer.select = recording_select
+    calibration.DraftSizer.select_nodes = recording_select
     mixture.MixtureDrafter._propose = recording_propose
     base.Drafter.stop = recording_stop
 
     def undo() -> None:
-        calibration.DraftSizer.select, mixture.MixtureDrafter._propose, base.Drafter.stop = select, propose, stop
+        calibration.DraftSizer.select_nodes, mixture.MixtureDrafter._propose, base.Drafter.stop = select, propose, stop
 
     return undo
 

@@ -70,7 +70,7 @@ from typing import Hashable, Iterable
 
 import numpy as np
 
-from ..draft import Budget, Draft, merge
+from ..draft import Budget, Draft, merge_indexed
 from ..tree import follow
 from .base import Drafter, ForwardReport, VerifyOutput, exercise
 from .calibration import DraftSizer, calibrate_lookup
@@ -297,24 +297,24 @@ class MixtureDrafter(Drafter):
         scored = self._scored_drafts(request_id, budget, flat)
         scored.sort(key=lambda c: -float(c[0].confidence.max()))  # the most trusted source names shared nodes
         if len(scored) == 1:
-            merged, kinds = scored[0]
+            (merged, kinds), node_maps = scored[0], [range(scored[0][0].num_nodes)]
         elif scored:
-            kind_of: dict[tuple, tuple] = {}  # token path -> (path probability, kind), best source wins
-            for draft, draft_kinds in scored:
-                for path, probability, kind in zip(draft.node_paths(), draft.confidence.tolist(), draft_kinds):
-                    if path not in kind_of or kind_of[path][0] < probability:
-                        kind_of[path] = (probability, kind)
-            merged = merge([draft for draft, _ in scored])
-            kinds = [kind_of[path][1] for path in merged.node_paths()]
+            merged, node_maps = merge_indexed([draft for draft, _ in scored])
+            best: list = [None] * merged.num_nodes  # merged node -> (path probability, kind), best source wins
+            for (draft, draft_kinds), node_map in zip(scored, node_maps):
+                for j, probability, kind in zip(node_map, draft.confidence.tolist(), draft_kinds):
+                    if best[j] is None or best[j][0] < probability:
+                        best[j] = (probability, kind)
+            kinds = [kind for _, kind in best]
         else:
-            merged, kinds = Draft.empty(), []
+            merged, kinds, node_maps = Draft.empty(), [], []
         if self.lookahead is None or not flat:
             self._pool_only.pop(request_id, None)
             chosen = self.sizer.select(request_id, merged, kinds, budget)[0]
             return chosen if chosen.num_nodes else self._self_draft(request_id, budget)
         options = self.lookahead.options(request_id, budget)
-        chosen, option = self.sizer.select(request_id, merged, kinds, budget, tuple(options))
-        self._remember_pool_only(request_id, scored, chosen)
+        chosen, kept, option = self.sizer.select_nodes(request_id, merged, kinds, budget, tuple(options))
+        self._remember_pool_only(request_id, scored, node_maps, merged.num_nodes, chosen, kept)
         return self.lookahead.hang_window(request_id, chosen, options[option][0])
 
     def _self_draft(self, request_id, budget: Budget) -> Draft:
@@ -323,12 +323,17 @@ class MixtureDrafter(Drafter):
             return Draft.empty()
         return self.early_exit.propose(request_id, budget)
 
-    def _remember_pool_only(self, request_id, scored: list, chosen: Draft) -> None:
-        """Which verified candidates only the lookahead pool proposed (their acceptance is the window's credit)."""
-        others = {path for draft, kinds in scored if kinds and kinds[0][0] != "lookahead"
-                  for path in draft.node_paths()}
-        pool_only = np.array([path not in others for path in chosen.node_paths()], bool)
-        self._pool_only[request_id] = (chosen, pool_only)
+    def _remember_pool_only(self, request_id, scored: list, node_maps: list, num_merged: int, chosen: Draft,
+                            kept: list[int]) -> None:
+        """Which verified candidates only the lookahead pool proposed (their acceptance is the window's credit).
+
+        ``node_maps[d][i]``: the merged node of node ``i`` of ``scored[d]``; ``kept``: the merged nodes chosen."""
+        others = [False] * num_merged  # merged node -> proposed by a source other than the pool
+        for (_, kinds), node_map in zip(scored, node_maps):
+            if kinds and kinds[0][0] != "lookahead":
+                for j in node_map:
+                    others[j] = True
+        self._pool_only[request_id] = (chosen, np.array([not others[j] for j in kept], bool))
 
     def warmup(self) -> None:
         """Compile the suffix, table and pool kernels on a tiny request."""

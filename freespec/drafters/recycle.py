@@ -263,6 +263,15 @@ class RecycleSource:
                                    for r in range(ranks + NUM_CONF)]
                                   for d in range(1, _DEPTH_KINDS + 1)] for row_type in range(NUM_ROW_TYPES)])
         self._probs: tuple[int, AcceptanceCalibrator | None, np.ndarray] = (-_REFRESH_TICKS, None, self._priors)
+        # the entries the calibrator re-reads: an exact row is only ever the root's (depth 1), and only pair and
+        # model rows have confidence classes; the others keep their priors
+        calibrated = [(row_type, d, rank, agree) for row_type in range(NUM_ROW_TYPES)
+                      for d in range(1 if row_type == EXACT else _DEPTH_KINDS)
+                      for rank in range(ranks + (NUM_CONF if row_type in (PAIR, MODEL) else 0))
+                      for agree in (0, 1)]
+        self._calibrated_kinds = [(SOURCE, row_type, d + 1, rank, agree) for row_type, d, rank, agree in calibrated]
+        self._calibrated_priors = [float(self._priors[index]) for index in calibrated]
+        self._calibrated_at = np.ravel_multi_index(tuple(np.array(calibrated).T), self._priors.shape)
 
     def table_for(self, request_id: Hashable) -> SuccessorTable:
         return self.table if self.shared else self._tables[request_id]
@@ -323,13 +332,8 @@ class RecycleSource:
         if source is calibrator and calibrator.clock - clock < _REFRESH_TICKS:
             return probs
         probs = self._priors.copy()
-        for row_type in range(NUM_ROW_TYPES):
-            classes = self.num_ranks + (NUM_CONF if row_type in (PAIR, MODEL) else 0)  # only these have confidences
-            for d in range(1 if row_type == EXACT else _DEPTH_KINDS):  # an exact row is only ever the root's
-                for rank in range(classes):
-                    for agree in (0, 1):
-                        probs[row_type, d, rank, agree] = calibrator.probability(
-                            (SOURCE, row_type, d + 1, rank, agree), self._priors[row_type, d, rank, agree])
+        probs.reshape(-1)[self._calibrated_at] = calibrator.probabilities(self._calibrated_kinds,
+                                                                          self._calibrated_priors)
         self._probs = (calibrator.clock, calibrator, probs)
         return probs
 
