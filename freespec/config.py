@@ -23,6 +23,11 @@ class SpecConfig:
         (drafters that support it, e.g. ``mixture``); otherwise the budget is fixed.
     allow_untested_model: patch a model whose architecture (``config.model_type``) is
         not in freespec's exactness matrix; by default ``patch()`` refuses it.
+    verify_on_device: verify each step's whole tree on the model's device (one argmax or
+        sampling pass, every row's token down in one copy: two round trips a step). None (the
+        default): on an accelerator, not on a CPU, where walking the tree and reading only the
+        path's rows is cheaper. True on a CPU runs the accelerator's path (``freespec bench
+        --device-model`` prices its tensor work as a GPU's); the output is the same either way.
     """
 
     drafter: Any = "mixture"
@@ -31,6 +36,7 @@ class SpecConfig:
     max_draft_depth: int = 48
     adaptive_budget: bool = True
     allow_untested_model: bool = False
+    verify_on_device: bool | None = None
 
     def __post_init__(self):
         from .drafters.options import check_bool, check_int
@@ -39,6 +45,8 @@ class SpecConfig:
         check_int("max_draft_depth", self.max_draft_depth, 0)
         check_bool("adaptive_budget", self.adaptive_budget)
         check_bool("allow_untested_model", self.allow_untested_model)
+        if self.verify_on_device is not None:
+            check_bool("verify_on_device", self.verify_on_device)
         if not isinstance(self.drafter_options, Mapping):
             raise ValueError(f"drafter_options must be a mapping, got {type(self.drafter_options).__name__}")
         if not isinstance(self.drafter, str) and not hasattr(self.drafter, "propose"):

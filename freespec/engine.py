@@ -349,7 +349,9 @@ class SpeculativeDecoder:
         self.want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
         self.want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
         self.pad_token_id = _pad_token_id(generation_config)
-        self.whole_tree = verifies_whole_tree(self.device) and processes_rows_alone(logits_processor)
+        on_device = self.config.verify_on_device
+        self.whole_tree = ((verifies_whole_tree(self.device) if on_device is None else on_device)
+                           and processes_rows_alone(logits_processor))
         t_start = time.perf_counter()
         rows = self._rows(input_ids, attention_mask, int(generation_config.max_length))
         self.stats.prompt_tokens = sum(row.num_committed for row in rows)
@@ -612,7 +614,7 @@ class SpeculativeDecoder:
 def verifies_whole_tree(device) -> bool:
     """Whether a step on ``device`` verifies its whole tree on the device (``TreeScoring``): on an accelerator,
     where every read of the device costs a round trip; not on a CPU, where reading only the path's rows is
-    cheaper. Tests set it for CPU runs to make the calls an accelerator run makes."""
+    cheaper. ``SpecConfig.verify_on_device`` overrides it."""
     return torch.device(device).type != "cpu"
 
 

@@ -5,7 +5,7 @@ what would make the host wait for a GPU: scalar reads, copies up and down (``fre
 ``copy=True`` so a CPU run dispatches them too), ops whose output size the host must wait for, and
 ``Tensor.tolist`` / ``.numpy()`` / ``.item()`` of data that is not on the host (its docstring says how).
 
-The step verifies its whole tree on the device (``verifies_whole_tree``, the accelerator path, forced here):
+The step verifies its whole tree on the device (``SpecConfig.verify_on_device``, the accelerator path, forced here):
 one copy up (inputs, cache moves, what the tree's scoring reads), one copy down (every row's token and the
 observed top-k). Before this change the walk read one scalar per emitted token, the top-k once more, and every
 input and cache-move index tensor was its own copy (3 + 3 per layer): 2 + 3 * layers + tokens per step.
@@ -27,12 +27,12 @@ PROMPT = torch.tensor([[0, 5, 9, 13, 5, 9, 13, 5, 9, 21, 30, 5, 9]])
 
 
 @pytest.fixture
-def count_round_trips(monkeypatch):
-    """Runs ``generate`` on the accelerator path, counting round trips; returns (output, stats, per step)."""
-    monkeypatch.setattr(engine, "verifies_whole_tree", lambda device: True)
+def count_round_trips():
+    """Runs ``generate`` on the accelerator path (``verify_on_device``), counting round trips; returns (output,
+    stats, per step)."""
 
     def run(model, drafter, *args, grad_mode=torch.no_grad, **kwargs):
-        freespec.patch(model, drafter=drafter, max_draft_tokens=6)  # several steps
+        freespec.patch(model, drafter=drafter, max_draft_tokens=6, verify_on_device=True)  # several steps
         try:
             with grad_mode(), DeviceOps(model) as mode:
                 out = model.generate(*args, **kwargs)
@@ -124,3 +124,9 @@ def test_whole_tree_sampling_has_the_target_distribution(monkeypatch):
     monkeypatch.setattr(engine, "verifies_whole_tree", lambda device: True)
     model = tiny_random_llama(vocab_size=test_sampling.VOCAB, seed=5, initializer_range=0.5)
     test_sampling.test_sampled_distribution_is_exact(model, "tree")
+
+
+def test_verify_on_device_is_a_bool_or_none():
+    assert freespec.SpecConfig().verify_on_device is None
+    with pytest.raises(ValueError, match="verify_on_device"):
+        freespec.SpecConfig(verify_on_device="yes")

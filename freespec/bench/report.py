@@ -17,7 +17,7 @@ Metrics of a method over a set of prompts (a category, or all):
 - ``device`` (runs with ``--device-model``, every method): per forward, the kernels, bytes they move, bytes
   copied and round trips counted outside forwards, their measured ms, the device model's charge for them
   (``charged_ms``, in the simulated times) and the host work around them (``host_ms``: the rest of the time
-  outside forwards).
+  outside forwards, less what the counter itself cost).
 - ``fed_per_step``: tokens fed per row and forward after the prefill (root + draft nodes;
   in a batch, the widest row's, as every row is padded to it).
 - ``width_shares``: the share of those forwards in each band of ``WIDTH_BANDS`` (1, 2-8,
@@ -143,14 +143,15 @@ def device_metrics(records: Sequence[dict], forwards: int) -> dict[str, float] |
     """Per forward: what ``DeviceOps`` counted outside forwards and the device model's charge for it.
 
     One record of 2 forwards with ``device = {kernels: 10, kernel_bytes: 4000, copy_bytes: 100, round_trips: 4,
-    measured_s: 0.002, charged_s: 0.0001}`` and ``outside_forward_s`` 0.01 -> ``{"kernels": 5, "kernel_kb": 2,
+    measured_s: 0.002, charged_s: 0.0001, overhead_s: 0.001}`` and ``outside_forward_s`` 0.011 (the counter's
+    own cost, ``overhead_s``, is not host work) -> ``{"kernels": 5, "kernel_kb": 2,
     "copy_kb": 0.05, "round_trips": 2, "measured_ms": 1, "charged_ms": 0.05, "host_ms": 4}``.
     """
     if not forwards:
         return None
     total = {key: sum(r["device"][key] for r in records)
-             for key in ("kernels", "kernel_bytes", "copy_bytes", "round_trips", "measured_s", "charged_s")}
-    outside = sum(r["outside_forward_s"] for r in records)
+             for key in ("kernels", "kernel_bytes", "copy_bytes", "round_trips", "measured_s", "charged_s", "overhead_s")}
+    outside = sum(r["outside_forward_s"] for r in records) - total["overhead_s"]
     return {"kernels": total["kernels"] / forwards, "kernel_kb": total["kernel_bytes"] / 1e3 / forwards,
             "copy_kb": total["copy_bytes"] / 1e3 / forwards, "round_trips": total["round_trips"] / forwards,
             "measured_ms": 1e3 * total["measured_s"] / forwards, "charged_ms": 1e3 * total["charged_s"] / forwards,

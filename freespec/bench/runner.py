@@ -160,8 +160,11 @@ class MethodRunner:
             return self
         return MethodRunner(self.method, make_drafter(self.method))
 
-    def generate(self, model, input_ids, gen_kwargs: dict) -> tuple[Any, Any]:
-        """(output ids [B, L], SpecStats or None)."""
+    def generate(self, model, input_ids, gen_kwargs: dict, verify_on_device: bool | None = None) -> tuple[Any, Any]:
+        """(output ids [B, L], SpecStats or None). ``verify_on_device``: ``SpecConfig.verify_on_device`` of a
+        speculative method (None: its own)."""
+        import dataclasses
+
         import freespec
 
         if self.method.kind == "vanilla":
@@ -169,7 +172,10 @@ class MethodRunner:
         if self.method.kind == "hf-pld":
             return model.generate(input_ids, prompt_lookup_num_tokens=self.method.hf_num_tokens,
                                   **self.method.hf_options, **gen_kwargs), None
-        freespec.patch(model, make_config(self.method, self.drafter))
+        config = make_config(self.method, self.drafter)
+        if verify_on_device is not None:
+            config = dataclasses.replace(config, verify_on_device=verify_on_device)
+        freespec.patch(model, config)
         try:
             out = model.generate(input_ids, **gen_kwargs)
             return out, freespec.stats(model)
@@ -244,7 +250,8 @@ def run_method(runner: MethodRunner, model, counter: ForwardCounter, input_ids, 
 
     ``device_model`` (a ``DeviceModel``, with a simulating ``counter``): the work on the model's device outside
     forwards is counted (``DeviceOps``) and charged the model's price in place of its measured time; the
-    record's ``device`` holds the counts, ``measured_s`` and ``charged_s``.
+    record's ``device`` holds the counts, ``measured_s``, ``charged_s`` and the counter's own cost, taken out of
+    the simulated times (``overhead_s``). freespec then verifies on the device as on a GPU (``on_device``).
     """
     import contextlib
 
@@ -256,7 +263,7 @@ def run_method(runner: MethodRunner, model, counter: ForwardCounter, input_ids, 
     ops = DeviceOps(model) if device_model is not None else None
     with torch.inference_mode(), ops if ops is not None else contextlib.nullcontext():
         t0, c0 = time.perf_counter(), time.process_time()
-        out, stats = runner.generate(model, input_ids, gen_kwargs)
+        out, stats = runner.generate(model, input_ids, gen_kwargs, verify_on_device=on_device(device_model))
         wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     outside_forward_s = wall_s - counter.forward_s  # measured: host work and tensor work between forwards
     simulated, device = {}, {}
@@ -265,11 +272,11 @@ def run_method(runner: MethodRunner, model, counter: ForwardCounter, input_ids, 
                      "simulated_forward_s": counter.simulated_s}
         wall_s += counter.simulated_s - counter.forward_s
         cpu_s += counter.simulated_s - counter.forward_cpu_s
-    if ops is not None:  # the device's work at the model's price instead of this machine's
+    if ops is not None:  # the device's work at the model's price instead of this machine's, without the counter's
         charged_s = device_model.charge_work(ops.work)
         device = {"device": {**ops.work.as_dict(), "charged_s": charged_s}}
-        wall_s += charged_s - ops.work.measured_s
-        cpu_s += charged_s - ops.work.measured_s
+        wall_s += charged_s - ops.work.measured_s - ops.work.overhead_s
+        cpu_s += charged_s - ops.work.measured_s - ops.work.overhead_s
     rows = out[:, input_ids.shape[1]:].tolist()
     outputs = [row_output(row, eos_ids) for row in rows]
     filler = {gen_kwargs.get("pad_token_id"), *eos_ids}
@@ -290,6 +297,13 @@ def run_method(runner: MethodRunner, model, counter: ForwardCounter, input_ids, 
         **simulated, **device,
     }
     return outputs, record, stats
+
+
+def on_device(device_model) -> bool | None:
+    """``SpecConfig.verify_on_device`` of speculative methods: True where a ``DeviceModel`` prices the device's
+    work (the accelerator's path: the whole tree verified on the device, two round trips a step, whatever this
+    machine is), else None (the engine's choice for this machine)."""
+    return True if device_model is not None else None
 
 
 def row_output(ids: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
@@ -447,7 +461,7 @@ class _Loop:
             if self.counter.simulate is not None and warm.drafter is not None:
                 simulated_on_forward(warm.drafter, self.counter)
             with torch.inference_mode():
-                warm.generate(self.model, input_ids, warm_kwargs)
+                warm.generate(self.model, input_ids, warm_kwargs, verify_on_device=on_device(self.device_model))
 
     def run_batch(self, entries: Sequence[tuple[Item, int, Sequence[str]]]) -> list[str]:
         """Every method on one batch of prompts (item, turn, earlier answers), in ABAB / BABA order across
