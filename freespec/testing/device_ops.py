@@ -21,9 +21,10 @@ run outside the model's forward (the forward is the host library's, paid by plai
   allocation), with the bytes it moves (``work.kernel_bytes``: every tensor it reads, whole, and every
   tensor it writes; a tensor written in place counts at most the bytes the op read, as an index copy
   writes what it reads, not the whole destination) and its wall time (``work.measured_s``);
-- **host data**: tensors the mode saw arrive on the host (a counted copy's output, ``torch.tensor`` /
-  ``torch.from_numpy``: ``aten.lift_fresh``) and what ops on host data make. Their ops are host work: no
-  kernel, no round trip. A factory op (``torch.zeros``, ``torch.arange``) counts as a kernel: the dispatcher
+- **host data**: on a CPU run, tensors the mode saw arrive on the host (a counted copy's output,
+  ``torch.tensor`` / ``torch.from_numpy``: ``aten.lift_fresh``) and what ops on host data make; on a model
+  on an accelerator, every CPU tensor (a copy to the CPU is then a copy down at once). Their ops are host
+  work: no kernel, no round trip. A factory op (``torch.zeros``, ``torch.arange``) counts as a kernel: the dispatcher
   names a device for every one, so a CPU run cannot tell a host allocation from a device one.
 
 Worked example: a step that takes ``argmax`` of float32 logits ``[3, 100]`` and copies the 3 int64 tokens
@@ -87,6 +88,9 @@ class DeviceOps(TorchDispatchMode):
     def __init__(self, model):
         super().__init__()
         self.model = model
+        # on an accelerator the host is plain to see: CPU tensors (on a CPU run only what the mode saw arrive)
+        param = next(model.parameters(), None)
+        self.cpu_is_host = param is not None and param.device.type != "cpu"
         self.host: dict[int, weakref.ref] = {}  # tensors known to be host data, by id (ids are reused: checked)
         self.in_forward = False
         self.per_step: list[list[str]] = [[]]
@@ -151,6 +155,8 @@ class DeviceOps(TorchDispatchMode):
             self.work.round_trips += 1
 
     def is_host(self, tensor) -> bool:
+        if self.cpu_is_host:
+            return tensor.device.type == "cpu"
         ref = self.host.get(id(tensor))
         return ref is not None and ref() is tensor
 
@@ -177,12 +183,12 @@ class DeviceOps(TorchDispatchMode):
             self._mark(out)
         elif name in ("to", "_to_copy") and out is args[0]:
             pass  # ``to`` where the tensor already is returns it: nothing happens
-        elif target is not None and inputs_host:
-            self.count("copy up")
+        elif target is not None and (inputs_host or self.cpu_is_host and torch.device(target).type == "cpu"):
+            self.count(f"copy {'up' if inputs_host else 'down'}")
             self.work.copy_bytes += _nbytes(out)
             self.work.measured_s += elapsed
         elif name in SCALAR_READS:
-            if not inputs_host and not self._copied_down(tensors[0]):
+            if not inputs_host and not (tensors and self._copied_down(tensors[0])):
                 self.count("scalar read")
                 self.work.measured_s += elapsed
         elif inputs_host:
