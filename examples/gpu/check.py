@@ -157,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
                           script="examples/gpu/check.py")
         syncs = count_syncs(model, tokenizer, dataset, args.methods, args.sync_tokens)
         rows += workload_rows(workload, results, syncs)
+        for label, count in syncs.items():
+            if device == "cuda" and label.startswith("freespec") and count is not None and count > 2:
+                print(f"!!! {label} made {count:g} host-device round trips a decode step on {workload}: more "
+                      f"than the two (one copy up, one down) it should")
         for label, why in results["unavailable"].items():
             print(f"!!! {label} NOT RUN: {why}")
         if results["mismatches"]:
