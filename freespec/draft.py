@@ -38,6 +38,14 @@ import numpy as np
 from .tree import node_depths
 
 
+_INT64, _INT32, _FLOAT32 = np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.float32)
+
+
+def _is_vector(value, dtype: np.dtype) -> bool:
+    """Whether ``value`` is already a contiguous 1-D array of ``dtype`` (most drafts are built from such)."""
+    return type(value) is np.ndarray and value.dtype is dtype and value.ndim == 1 and value.flags.c_contiguous
+
+
 @dataclass(frozen=True)
 class Budget:
     """How large a draft the engine will verify this step.
@@ -67,13 +75,12 @@ class Draft:
     is_candidate: np.ndarray | None = None  # [n] bool, False = fed but never accepted; None = all candidates
 
     def __post_init__(self):
-        token_ids = np.ascontiguousarray(self.token_ids, dtype=np.int64).reshape(-1)
-        parents = np.ascontiguousarray(self.parents, dtype=np.int32).reshape(-1)
-        object.__setattr__(self, "token_ids", token_ids)
-        object.__setattr__(self, "parents", parents)
-        if self.confidence is not None:
-            object.__setattr__(self, "confidence", np.ascontiguousarray(self.confidence, np.float32).reshape(-1))
-        object.__setattr__(self, "sources", tuple(self.sources))
+        for name, dtype in (("token_ids", _INT64), ("parents", _INT32), ("confidence", _FLOAT32)):
+            value = getattr(self, name)
+            if value is not None and not _is_vector(value, dtype):
+                object.__setattr__(self, name, np.ascontiguousarray(value, dtype).reshape(-1))
+        if type(self.sources) is not tuple:
+            object.__setattr__(self, "sources", tuple(self.sources))
         if self.is_candidate is not None:
             is_candidate = np.ascontiguousarray(self.is_candidate, dtype=bool).reshape(-1)
             object.__setattr__(self, "is_candidate", None if is_candidate.all() else is_candidate)
@@ -235,6 +242,8 @@ class Draft:
         """Sub-tree of the given nodes (ascending, closed under parents), renumbered."""
         nodes = np.asarray(nodes, np.int64)
         node_list = nodes.tolist()
+        if node_list == list(range(self.num_nodes)):
+            return self  # every node, in order: this draft (frozen)
         new_index = {old: new for new, old in enumerate(node_list)}
         new_index[-1] = -1
         old_parents = self.parents.tolist()

@@ -38,6 +38,7 @@ SRC, TOKEN, DST, NEXT = 0, 1, 2, 3
 # entries of ``meta`` [4] int64
 NUM_STATES, NUM_EDGES, LAST, TEXT_LEN = 0, 1, 2, 3
 SEPARATOR = -1  # a token no query holds: matches never cross it
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @numba.njit(cache=True)
@@ -213,9 +214,9 @@ class SuffixAutomaton:
     def extend(self, ids) -> None:
         """Append token ids (non-negative ints); amortized O(1) per token."""
         ids = np.asarray(ids)
-        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
             raise ValueError(f"ids must be a 1-D sequence of integer token ids, got {ids.dtype} {ids.shape}")
-        if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
+        if ids.size and (ids.min() < 0 or (ids.dtype != np.int32 and ids.max() > _INT32_MAX)):
             raise ValueError("ids holds token ids outside [0, 2**31)")
         self._append(np.ascontiguousarray(ids, dtype=np.int32))
 

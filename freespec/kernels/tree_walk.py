@@ -12,7 +12,9 @@ Worked example, ``parents=[-1, 0, 0, 2]`` (root ─ 0 ─┬─ 1, └─ 2 ─ 
     bfs order       [0, 1, 2, 3]     (parents=[-1, -1, 1, 0] gives [0, 1, 3, 2])
 
 Measured (CPython 3.11, 64-node trees): 1-2 us per call, against 15-40 us for
-the Python loops these replace.
+the Python loops these replace. ``node_depths_kernel`` and ``ancestor_matrix_kernel`` check the
+parents as they walk them (a return of -1: all were in order), which costs less than two numpy
+reductions before the call.
 """
 
 from __future__ import annotations
@@ -34,12 +36,16 @@ def node_depths_kernel(parents, out):  # parents [n] int32, out [n] int64
 
 @numba.njit(cache=True)
 def ancestor_matrix_kernel(parents, out):  # parents [n] int32, out [n, n] bool, all False
+    """-1, or the first node whose parent breaks ``-1 <= parents[i] < i`` (its row and later ones left unset)."""
     for i in range(parents.shape[0]):
         parent = parents[i]
+        if parent < -1 or parent >= i:
+            return i
         if parent >= 0:
             for j in range(parent + 1):
                 out[i, j] = out[parent, j]
         out[i, i] = True
+    return -1
 
 
 @numba.njit(cache=True)
