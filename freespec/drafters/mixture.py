@@ -295,7 +295,8 @@ class MixtureDrafter(Drafter):
         # the gate matters only to the sources that read the model (the cost curve is not read without them)
         flat = (self.recycle is not None or self.lookahead is not None) and self.flat_curve(budget.batch_size)
         scored = self._scored_drafts(request_id, budget, flat)
-        scored.sort(key=lambda c: -float(c[0].confidence.max()))  # the most trusted source names shared nodes
+        if len(scored) > 1:  # the most trusted source names shared nodes
+            scored.sort(key=lambda c: -float(c[0].confidence.max()))
         if len(scored) == 1:
             (merged, kinds), node_maps = scored[0], [range(scored[0][0].num_nodes)]
         elif scored:
