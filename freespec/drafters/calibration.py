@@ -460,11 +460,16 @@ def calibrate_lookup(calibrator: AcceptanceCalibrator, source: str, match_len: i
     raw = [1.0] * draft.num_nodes if draft.confidence is None else draft.confidence.tolist()
     path_probs: list[float] = []
     kinds = []
+    probability_of: dict[tuple, float] = {}  # kind -> its probability (a tree has few kinds; counts stay put here)
     for i, (parent, depth) in enumerate(zip(draft.parents.tolist(), draft.depths().tolist())):
         parent_raw = 1.0 if parent < 0 else raw[parent]
         frequency = raw[i] / parent_raw if parent_raw > 0 else 0.0
-        kinds.append(calibrator.kind(source, match_len, depth, frequency))
-        path_probs.append(calibrator.probability(kinds[-1]) * (1.0 if parent < 0 else path_probs[parent]))
+        kind = calibrator.kind(source, match_len, depth, frequency)
+        probability = probability_of.get(kind)
+        if probability is None:
+            probability = probability_of[kind] = calibrator.probability(kind)
+        kinds.append(kind)
+        path_probs.append(probability * (1.0 if parent < 0 else path_probs[parent]))
     return draft.rescored(np.asarray(path_probs, np.float32), (source,) * draft.num_nodes), kinds
 
 

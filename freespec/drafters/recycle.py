@@ -188,10 +188,12 @@ class SuccessorTable:
 
     def top1(self, token: int) -> int:
         """The likeliest successor of ``token`` (its text row's first, else its model row's), or -1."""
-        for kind in (TEXT, MODEL):
-            found = self.row(token, kind)
-            if found:
-                return found[0]
+        if not 0 <= token < self.num_rows:
+            return -1
+        for table in (self.text, self.model):  # ``row``'s first entry, without its arrays (the window asks per cell)
+            for entry in table[token].tolist():
+                if entry >= 0:
+                    return entry
         return -1
 
     def grow(self, root: int, root_prev: int, exact_root: bool, probs: np.ndarray, max_nodes: int, max_depth: int,
