@@ -356,6 +356,8 @@ class AcceptanceCalibrator:
         self.clock = 0  # judged steps so far
         self._memo: dict = {}  # (kind, base prior) -> probability, while the counts and clock stay as they are
         self._memo_clock = 0
+        self._scales: dict = {}  # source -> scale, as long as _memo
+        self._base_priors: dict[tuple, float] = {}  # kind -> prior(kind), a pure function of the kind
 
     def kind(self, source: str, match_len: int, depth: int, frequency: float) -> tuple:
         effective = match_len + depth - 1 if match_len > 0 else 0
@@ -363,11 +365,14 @@ class AcceptanceCalibrator:
                 bisect.bisect_left(self.FREQ_EDGES, frequency))
 
     def prior(self, kind: tuple) -> float:
-        source, match_bucket, freq_bucket = kind
-        frequency = (0.1, 0.3, 0.5, 0.7, 0.9, 1.0)[freq_bucket]
-        match_len = ((0,) + self.MATCH_EDGES)[match_bucket]
-        trust = 0.4 if match_len == 0 else match_len / (match_len + 2.0)
-        return max(0.01, min(0.95, frequency * trust))
+        found = self._base_priors.get(kind)
+        if found is None:
+            source, match_bucket, freq_bucket = kind
+            frequency = (0.1, 0.3, 0.5, 0.7, 0.9, 1.0)[freq_bucket]
+            match_len = ((0,) + self.MATCH_EDGES)[match_bucket]
+            trust = 0.4 if match_len == 0 else match_len / (match_len + 2.0)
+            found = self._base_priors[kind] = max(0.01, min(0.95, frequency * trust))
+        return found
 
     def _faded(self, kind: tuple, counts: dict | None = None) -> tuple[float, float]:
         found = (self._counts if counts is None else counts).get(kind)
@@ -389,16 +394,23 @@ class AcceptanceCalibrator:
         if prior is not None:
             self._given[kind] = prior
         if self._memo_clock != self.clock:
-            self._memo.clear()
+            self._forget_memo()
             self._memo_clock = self.clock
         key = (kind, prior)
         found = self._memo.get(key)
         if found is None:
             base = self.prior(kind) if prior is None else prior
             accepted, seen = self._faded(kind)
-            base = min(0.95, base * self.scale(kind[0]))
+            scale = self._scales.get(kind[0])
+            if scale is None:
+                scale = self._scales[kind[0]] = self.scale(kind[0])
+            base = min(0.95, base * scale)
             found = self._memo[key] = (accepted + self.prior_strength * base) / (seen + self.prior_strength)
         return found
+
+    def _forget_memo(self) -> None:
+        self._memo.clear()
+        self._scales.clear()
 
     def probabilities(self, kinds: list[tuple], priors: list[float]) -> list[float]:
         """``[probability(kind, prior) for kind, prior in zip(kinds, priors)]`` for kinds of one source, computed
@@ -417,7 +429,7 @@ class AcceptanceCalibrator:
         return out
 
     def update(self, kind: tuple, accepted: bool) -> None:
-        self._memo.clear()
+        self._forget_memo()
         old_accepted, old_seen = self._faded(kind)
         self._counts[kind] = [old_accepted + float(accepted), old_seen + 1.0, self.clock]
         prior = self._given[kind] if kind in self._given else self.prior(kind)
