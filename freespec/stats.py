@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,9 +68,11 @@ class SpecStats:
         self.draft_tokens += draft.num_candidates
         self.noncandidate_tokens += draft.num_nodes - draft.num_candidates
         self.accepted_draft_tokens += len(accepted_nodes)
-        is_candidate = draft.candidate_mask()
-        for i in np.nonzero(is_candidate)[0].tolist():
-            self.drafter(draft.node_source(i) or default_source).proposed += 1
+        sources = draft.sources or ("",) * draft.num_nodes
+        if draft.is_candidate is not None:
+            sources = [sources[i] for i in np.nonzero(draft.is_candidate)[0].tolist()]
+        for name, count in Counter(sources).items():  # names in the order of their first node, as one by one
+            self.drafter(name or default_source).proposed += count
         for i in accepted_nodes:
             self.drafter(draft.node_source(i) or default_source).accepted += 1
 
