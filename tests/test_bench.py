@@ -448,8 +448,8 @@ def test_bench_reports_a_mismatch_and_exits_nonzero(tmp_path, tiny_model, monkey
 
     real = runner.MethodRunner.generate
 
-    def corrupt(self, model, input_ids, gen_kwargs):
-        out, stats = real(self, model, input_ids, gen_kwargs)
+    def corrupt(self, model, input_ids, gen_kwargs, **kwargs):
+        out, stats = real(self, model, input_ids, gen_kwargs, **kwargs)
         if self.method.kind == "hf-pld":
             out = out.clone()
             out[0, -1] = (out[0, -1] + 1) % 100 + 2
@@ -545,7 +545,7 @@ def test_tokens_after_eos_are_counted_and_reported(tiny_model):
     class Fixed(MethodRunner):
         """Returns the prompt followed by ``new_rows``."""
 
-        def generate(self, model, input_ids, gen_kwargs):
+        def generate(self, model, input_ids, gen_kwargs, **kwargs):
             return torch.cat([input_ids, torch.tensor(self.new_rows)], dim=1), None
 
     prompt = torch.tensor([[3, 4], [3, 4], [3, 4]])
@@ -591,8 +591,8 @@ def _corrupt_freespec_row(monkeypatch, row: int):
 
     real = runner.MethodRunner.generate
 
-    def corrupt(self, model, input_ids, gen_kwargs):
-        out, stats = real(self, model, input_ids, gen_kwargs)
+    def corrupt(self, model, input_ids, gen_kwargs, **kwargs):
+        out, stats = real(self, model, input_ids, gen_kwargs, **kwargs)
         if self.method.kind == "freespec" and out.shape[0] > row:
             out = out.clone()
             out[row, input_ids.shape[1] + 1] = (out[row, input_ids.shape[1] + 1] + 1) % 90 + 2  # never EOS (1)
