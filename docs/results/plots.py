@@ -2,7 +2,9 @@
 
 A table is plotted when the line right above it is a marker comment:
 
-    <!-- plot speedup NAME.png: TITLE -->   a category table (| category | prompts | method ... |, "2.39x")
+    <!-- plot speedup NAME.png: TITLE -->   a category table (| category | prompts | method ... |, "2.39x"),
+                                            each cell the median of per-prompt ratios
+    <!-- plot total NAME.png: TITLE -->     the same, each cell a ratio of total tokens/s (a serving run)
     <!-- plot cost NAME.png: TITLE -->      a cost table (| k | 1 | 2 | ... |, one row per machine)
 
 so a plot always shows the numbers printed beside it, in the colours ``freespec bench`` uses for the same
@@ -17,7 +19,7 @@ import sys
 from pathlib import Path
 
 RESULTS_MD = Path(__file__).resolve().parent.parent / "results.md"
-MARKER = re.compile(r"^<!-- plot (speedup|cost) (\S+\.png): (.+) -->$")
+MARKER = re.compile(r"^<!-- plot (speedup|total|cost) (\S+\.png): (.+) -->$")
 NUMBER = re.compile(r"^\s*(-?\d+(?:\.\d+)?)")
 
 
@@ -59,11 +61,12 @@ def draw(kind: str, path: Path, title: str, header: list[str], rows: list[list[s
 
     from freespec.bench.report import plot_category_bars, plot_cost_curves
 
-    if kind == "speedup":
+    if kind in ("speedup", "total"):
         methods = header[2:]
         values = {row[0]: dict(zip(methods, map(number, row[2:]))) for row in rows}
+        how = "median per prompt" if kind == "speedup" else "ratio of total tokens/s"
         return plot_category_bars(plt, values, methods, path, f"Speedup over plain decoding by category\n{title}",
-                                  "tokens/s over plain decoding (median per prompt)")
+                                  f"tokens/s over plain decoding ({how})")
     columns = [(j, int(k)) for j, k in enumerate(header) if k.isdigit()]
     curves = {}
     for row in rows:
