@@ -334,3 +334,13 @@ def test_serving_bench_summary_speedups_best_k_categories_and_identity(tmp_path)
     assert by_category[("ngram-k16", "rename")] == pytest.approx(4.0)  # 8 tokens in 2 s against 8 in 8 s
     assert by_category[("ngram-k8", "fix-bug")] == pytest.approx(2.0)
     assert "| code-edit | 1 | ngram | 16 | 3.0 | 3.00x | 2.00 | NO |" in table
+
+
+def test_serving_bench_refuses_methods_without_plain_vllm(capsys):
+    """Every speedup and the identity check are against plain vLLM: a --methods list without it is refused
+    before any engine starts, naming the argument."""
+    from freespec.integrations.vllm import bench
+
+    with pytest.raises(SystemExit):
+        bench.main(["--methods", "ngram,freespec", "--out", "unused"])
+    assert "--methods must include vanilla" in capsys.readouterr().err

@@ -484,6 +484,9 @@ def main(argv=None) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         parser.error(f"--methods: unknown {unknown}; known: {', '.join(METHODS)}")
+    if "vanilla" not in methods:
+        parser.error(f"--methods must include vanilla (plain vLLM): every speedup and the identity of outputs are "
+                     f"measured against it; got {args.methods!r}")
     from freespec import models
 
     out = Path(args.out)
