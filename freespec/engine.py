@@ -336,6 +336,7 @@ class SpeculativeDecoder:
         self.stats = stats
         self.traits = traits
         self.device = model.device
+        self._last_step: tuple[float, int] | None = None  # reported with the next forward (``ForwardReport``)
 
     def generate(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer=None,
                  documents=None, tokenizer=None, attention_mask=None, predictions=None):
@@ -364,7 +365,9 @@ class SpeculativeDecoder:
                 self._timed_draft(self._start, row, documents, tokenizer, prediction)
                 started.append(row)
             active = [row for row in rows if not row.done]
+            self._last_step = None  # (seconds outside its forward, draft nodes fed) of the previous decode step
             while active:
+                t_step, forward_before = time.perf_counter(), self.stats.forward_s
                 self._follow_model_cache_policy(active, cache, layout)
                 steps = [RowStep(row.pending, row.pending_positions,
                                  self._timed_draft(self._propose, row, len(active), cache, layout, r))
@@ -377,6 +380,8 @@ class SpeculativeDecoder:
                     committed = self._commit(row, step.draft, logits[r], acceptance)
                     self._timed_draft(self._learn, row, step.draft, observed[r], acceptance, committed)
                 active = self._drop_finished(active, cache, layout)
+                self._last_step = (time.perf_counter() - t_step - (self.stats.forward_s - forward_before),
+                                   sum(step.draft.num_nodes for step in steps))
             self._timed_tensor(layout.flush, cache)  # the moves of the last step, for the returned cache
         finally:
             self.logits_buffer.release()
@@ -530,8 +535,9 @@ class SpeculativeDecoder:
         prefill = self.stats.forward_passes == 0
         t0 = time.perf_counter()
         logits = run(self.model, sent)
+        last_step = None if prefill else self._last_step
         report = ForwardReport(tuple(row.request_id for row in active), tuple(step.num_fed for step in steps),
-                               time.perf_counter() - t0, prefill)
+                               time.perf_counter() - t0, prefill, *(last_step or (None, 0)))
         self.stats.forward_s += report.forward_s
         self.drafter.on_forward(report)
         self.stats.forward_passes += 1

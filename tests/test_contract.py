@@ -110,6 +110,11 @@ def test_not_candidate_nodes_are_never_accepted_but_observed(tiny_llama):
             assert verify_output.topk_token_ids[node + 1, 0] == reference[position + k + 1]
     assert drafter.reports[0].prefill and not any(r.prefill for r in drafter.reports[1:])
     assert all(r.request_ids == drafter.reports[0].request_ids and r.batch_size == 1 for r in drafter.reports)
+    # each decode forward reports the step before it: its time outside its forward and the nodes it fed
+    assert drafter.reports[0].step_outside_s is None
+    assert all(r.step_outside_s > 0 for r in drafter.reports[1:])
+    assert [r.step_nodes for r in drafter.reports[1:]] == [o.draft.num_nodes for o in drafter.observed[:-1]]
+    assert sum(r.step_nodes for r in drafter.reports) > 0
 
 
 def test_cache_keeps_no_trace_of_not_candidate_nodes(tiny_llama):

@@ -126,6 +126,39 @@ def test_bench_charges_every_methods_tensor_work_by_the_model(tmp_path, tiny_mod
     assert "charged by the device model" in (out / "results.md").read_text()
 
 
+def test_the_drafter_sees_the_time_outside_forwards_at_the_device_models_price(tmp_path, tiny_model,  # noqa: F811
+                                                                                 capsys, monkeypatch):
+    """Under a device model the drafter's reports carry the previous step's time outside its forward with the
+    device's work charged at the model's price, as the forwards carry the curve's: a round trip priced at
+    0.2 s (every step makes at least one) shows in every report after the first decode forward's."""
+    from freespec.bench import runner
+    from freespec.cli import main
+
+    seen = []
+    make_drafter = runner.make_drafter
+
+    def spied(method):
+        drafter = make_drafter(method)
+        own = drafter.on_forward
+        drafter.on_forward = lambda report: (timed() and seen.append(report), own(report))
+        return drafter
+
+    def timed():  # a timed run (counted by DeviceOps), not the warm-up
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+        return any(isinstance(mode, DeviceOps) for mode in _get_current_dispatch_mode_stack())
+
+    monkeypatch.setattr(runner, "make_drafter", spied)
+    code = main(["bench", "--model", "tiny", "--dataset", str(_dataset(tmp_path)), "--methods",
+                 "freespec:prompt_lookup{min_match=1}", "--max-new-tokens", "8", "--threads", "1", "--no-progress",
+                 "--no-plots", "--no-cost-probe", "--simulate", "1:1,64:1.2", "--one-token-ms", "50",
+                 "--device-model", "h200,round_trip_us=200000", "--out", str(tmp_path / "sim")])
+    assert code == 0, capsys.readouterr().out
+    decode = [report for report in seen if not report.prefill]
+    later = [report for report in decode if report.step_outside_s is not None][1:]
+    assert later and all(report.step_outside_s >= 0.2 for report in later)
+    assert all(report.forward_s == pytest.approx(0.05 * (1 + 0.2 * (report.width - 1) / 63)) for report in decode)
+
+
 def test_bench_refuses_a_device_model_without_simulate_or_a_bad_one(tmp_path, capsys, monkeypatch):
     from freespec import models
     from freespec.cli import main

@@ -8,7 +8,7 @@ from freespec.drafters import make
 from freespec.drafters.base import ForwardReport
 from freespec.drafters.corpus import DocumentIndex
 from freespec.drafters.base import VerifyOutput
-from freespec.drafters.calibration import AcceptanceCalibrator, CostModel, DraftSizer
+from freespec.drafters.calibration import AcceptanceCalibrator, CostModel, DraftSizer, HostCostModel
 from freespec.drafters.mixture import MixtureDrafter
 from freespec.drafters.suffix import RequestHistory
 
@@ -160,6 +160,56 @@ def test_cost_model_keeps_every_width_apart_and_the_sizer_stops_below_a_step():
         for _ in range(3):
             model.add(width, 0.1 * c)
     assert model.cost(20) == pytest.approx(1.2 + 0.4 * 7 / 27)
+
+
+def test_host_cost_model_fits_a_line_through_pauses():
+    """h(k) = a + b k from the halves' medians: the docstring's example, then a pause a shared machine adds."""
+    model = HostCostModel(min_samples=4)
+    for nodes, seconds in ((0, 1e-3), (0, 1e-3), (10, 2e-3)):
+        model.add(nodes, seconds)
+    assert model.fit() == (0.0, 0.0)  # too few steps
+    model.add(10, 2e-3)
+    assert model.fit() == pytest.approx((1e-3, 1e-4))
+    rng = np.random.default_rng(0)
+    model = HostCostModel()
+    for step in range(64):
+        nodes = int(rng.integers(0, 65))
+        model.add(nodes, 2e-3 + 5e-5 * nodes + (0.1 if step % 16 == 0 else 0.0))  # 4 pauses of 100 ms
+    a, b = model.fit()
+    assert a == pytest.approx(2e-3, rel=0.05) and b == pytest.approx(5e-5, rel=0.1)
+    same = HostCostModel(min_samples=2)
+    for _ in range(8):
+        same.add(16, 3e-3)
+    assert same.fit() == pytest.approx((3e-3, 0.0))  # no spread in nodes: no slope to read
+    model.add(-1, 1.0), model.add(3, float("nan")), model.add(3, float("inf"))  # ignored
+    assert model.fit() == pytest.approx((a, b))
+
+
+def test_the_sizer_prices_the_steps_host_work():
+    """Under a flat curve a long chain of fading nodes is cut where a node's host work outweighs its worth, and
+    a fixed host cost per step makes drafting worth more, not less; host_cost=False sizes by c(n) alone."""
+    probs = (0.95 ** np.arange(1, 61)).astype(np.float32)
+    chain = Draft(np.arange(100, 160), np.arange(-1, 59), probs)
+
+    def chosen(host_cost, per_step_s, per_node_s):
+        sizer = DraftSizer(host_cost=host_cost)
+        rng = np.random.default_rng(1)
+        for step in range(64):
+            width = int(rng.integers(1, 65))
+            sizer.on_forward(ForwardReport(("r",), (width,), 0.010 * (1 + 0.001 * (width - 1)),
+                                           step_outside_s=per_step_s + per_node_s * (width - 1),
+                                           step_nodes=width - 1))
+        return sizer.select("r", chain, [("k",)] * 60, Budget(64, 64))[0].num_nodes
+
+    assert chosen(False, 1e-3, 2e-4) == chosen(True, 0.0, 0.0) == 60  # c(61) = 1.06: every node pays
+    # a node costs 0.02 of a forward outside it: the chain stops where 0.95 ** k falls near that
+    cut = chosen(True, 1e-3, 2e-4)
+    assert 20 <= cut <= 45
+    assert chosen(True, 1e-2, 2e-4) > cut  # a dearer step: each token saves more, so more nodes pay
+    # without an engine that measures it (step_outside_s None) nothing changes
+    sizer = DraftSizer()
+    sizer.on_forward(ForwardReport(("r",), (2,), 0.01))
+    assert sizer.host_models == {}
 
 
 def test_cost_model_pools_scattered_widths_in_their_group():

@@ -73,7 +73,18 @@ class ForwardCounter:
                         model.register_forward_hook(self._done)]
         self._started = (0.0, 0.0)
         self.last_simulated_s = 0.0
+        self.device_adjustment = None  # () -> seconds a device model adds to the measured time outside forwards
         self.reset()
+
+    def outside_adjustment_s(self) -> float:
+        """What the device model (``run_method``'s ``device_model``) has changed in the time outside forwards since
+        the previous call: its charge for the device's work minus that work's measured time and the counter's
+        own cost. 0 without one."""
+        if self.device_adjustment is None:
+            return 0.0
+        total = self.device_adjustment()
+        delta, self._adjusted_s = total - self._adjusted_s, total
+        return delta
 
     def reset(self) -> None:
         self.forwards = 0
@@ -83,6 +94,7 @@ class ForwardCounter:
         self.forward_s = 0.0  # wall seconds inside forwards
         self.forward_cpu_s = 0.0  # CPU seconds inside forwards
         self.simulated_s = 0.0  # the curve's seconds for the same forwards (simulate only)
+        self._adjusted_s = 0.0  # device_adjustment() at the latest outside_adjustment_s()
 
     def _hook(self, module, args, kwargs):
         ids = kwargs.get("input_ids")
@@ -121,14 +133,21 @@ def simulated_on_forward(drafter, counter: ForwardCounter) -> None:
 
     The engine reports a forward's measured seconds right after the model call returns;
     under simulation the drafter's cost model must learn the simulated machine's curve,
-    not this machine's, or it sizes trees for the wrong machine. Only the bench does this.
+    not this machine's, or it sizes trees for the wrong machine. Under a device model the
+    previous step's time outside its forward (``step_outside_s``) is the simulated one too: the
+    device's work at the model's price, without the counter's own cost (``outside_adjustment_s``, the
+    change since the previous forward: about one step). Only the bench does this.
     """
     import dataclasses
 
     measured = drafter.on_forward
 
     def on_forward(report):
-        measured(dataclasses.replace(report, forward_s=counter.last_simulated_s))
+        changes = {"forward_s": counter.last_simulated_s}
+        adjustment = counter.outside_adjustment_s()
+        if report.step_outside_s is not None:
+            changes["step_outside_s"] = max(0.0, report.step_outside_s + adjustment)
+        measured(dataclasses.replace(report, **changes))
 
     drafter.on_forward = on_forward
 
@@ -261,10 +280,13 @@ def run_method(runner: MethodRunner, model, counter: ForwardCounter, input_ids, 
 
     counter.reset()
     ops = DeviceOps(model) if device_model is not None else None
+    counter.device_adjustment = None if ops is None else (
+        lambda: device_model.charge_work(ops.work) - ops.work.measured_s - ops.work.overhead_s)
     with torch.inference_mode(), ops if ops is not None else contextlib.nullcontext():
         t0, c0 = time.perf_counter(), time.process_time()
         out, stats = runner.generate(model, input_ids, gen_kwargs, verify_on_device=on_device(device_model))
         wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    counter.device_adjustment = None
     outside_forward_s = wall_s - counter.forward_s  # measured: host work and tensor work between forwards
     simulated, device = {}, {}
     if counter.simulate is not None:  # the forwards at the curve's price, everything else as measured

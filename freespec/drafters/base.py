@@ -119,6 +119,9 @@ class ForwardReport:
     ``tokens_per_row``: tokens each row fed (pending tokens + draft nodes).
     ``forward_s``: wall seconds of the forward.
     ``prefill``: the first forward of these requests (its size is the prompt's).
+    ``step_outside_s``: wall seconds the previous decode step spent outside its forward (drafting, the tree's
+    inputs, verification's tensor work, the walk, the drafters' bookkeeping), or None where the host does not
+    measure it (serving engines, replay); ``step_nodes``: the draft nodes that step fed, summed over its rows.
     A batch pads rows to ``width = max(tokens_per_row)`` tokens each.
     ``ForwardReport(("r",), (5,), 0.02, False).width -> 5``.
     """
@@ -127,6 +130,8 @@ class ForwardReport:
     tokens_per_row: tuple
     forward_s: float
     prefill: bool = False
+    step_outside_s: float | None = None
+    step_nodes: int = 0
 
     @property
     def batch_size(self) -> int:

@@ -58,9 +58,10 @@ class CostModel:
     ``CostModel().cost(9) == 1.24`` before any measurement.
     """
 
-    MAX_WIDTH = 64
+    MAX_WIDTH = 129  # the root and 128 nodes (the default budget feeds 65 at most)
     OPTIMISTIC_UP_TO = 8
-    GROUPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # widths GROUPS[g] + 1 .. GROUPS[g + 1] pool (see _known_points)
+    # widths GROUPS[g] + 1 .. GROUPS[g + 1] pool (see _known_points); 65, the default budget's widest, alone
+    GROUPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 65, 96, 128, 129)
 
     def __init__(self, prior_slope: float = 0.03, window: int = 32, min_samples: int = 3):
         if not prior_slope >= 0:
@@ -178,6 +179,11 @@ class CostModel:
         if self._base_s is not None and above:
             return curve[above[0]]
         return self.cost(num_tokens)
+
+    def one_token_s(self) -> float | None:
+        """Seconds of a one-token forward: ``_one_token_s``, as the curve last divided by."""
+        self.curve_list()
+        return self._base_s
 
     def _one_token_s(self) -> float | None:
         """Median 1-token forward time; without one, a line through the other widths' medians at n=1."""
@@ -307,9 +313,65 @@ class BatchCostModel:
         single = self._models[1]
         return max(1.0, single.at_most(bucket * num_tokens) / single.cost(bucket))
 
+    def one_token_s(self, batch_size: int = 1) -> float | None:
+        """Seconds of a one-token forward at ``batch_size`` (its own bucket's, else batch 1's times c_1(B));
+        None before any decode forward."""
+        bucket = self.bucket(batch_size)
+        own = self._own(bucket)
+        if own is not None:
+            return own.one_token_s()
+        single = self._models[1].one_token_s()
+        return None if single is None else single * self._models[1].cost(bucket)
+
     def of_batch(self, batch_size: int) -> CostModel | None:
         """The measured model of ``batch_size``'s bucket (None until it has a forward)."""
         return self._models.get(self.bucket(batch_size))
+
+
+class HostCostModel:
+    """h(k) = a + b k: wall seconds a decode step spends outside its forward with ``k`` draft nodes, measured live.
+
+    The engine reports each step's time outside its forward (drafting, the tree's inputs, verification's
+    tensor work, the walk, the drafters' bookkeeping) and the nodes it fed (``ForwardReport.step_outside_s``,
+    ``step_nodes``); one model per batch bucket keeps the last ``window`` steps. The fit is robust to the
+    pauses a shared machine adds: the steps are split at their median node count, ``b`` is the slope between
+    the two halves' medians (0 while the halves' median node counts differ by less than ``min_spread``, or
+    when it comes out negative) and ``a`` the median of ``seconds - b k``. Where a forward costs about the
+    same whatever its width (a GPU, bfloat16 on AMX), ``b`` can be most of what a node costs.
+
+    ``fit()`` is ``(0.0, 0.0)`` until ``min_samples`` steps are in. Worked example: steps of 0, 0, 10 and 10
+    nodes taking 1, 1, 2 and 2 ms: ``b`` = (2 - 1) ms / 10 = 0.1 ms per node, ``a`` = 1 ms.
+    """
+
+    def __init__(self, window: int = 64, min_samples: int = 8, min_spread: int = 4):
+        self._steps: deque = deque(maxlen=check_int("window", window, 2))  # (nodes, seconds)
+        self.min_samples = check_int("min_samples", min_samples, 2)
+        self.min_spread = check_int("min_spread", min_spread, 1)
+        self._fit: tuple[float, float] | None = None
+
+    def add(self, num_nodes: int, seconds: float) -> None:
+        if num_nodes < 0 or not seconds >= 0 or math.isinf(seconds):
+            return
+        self._steps.append((int(num_nodes), float(seconds)))
+        self._fit = None
+
+    def fit(self) -> tuple[float, float]:
+        """``(a, b)`` in seconds and seconds per node."""
+        if self._fit is None:
+            self._fit = self._compute()
+        return self._fit
+
+    def _compute(self) -> tuple[float, float]:
+        if len(self._steps) < self.min_samples:
+            return 0.0, 0.0
+        steps = sorted(self._steps)
+        half = len(steps) // 2
+        low, high = steps[:half], steps[half:]
+        spread = statistics.median(k for k, _ in high) - statistics.median(k for k, _ in low)
+        slope = 0.0
+        if spread >= self.min_spread:
+            slope = max(0.0, (statistics.median(s for _, s in high) - statistics.median(s for _, s in low)) / spread)
+        return max(0.0, statistics.median(s - slope * k for k, s in steps)), slope
 
 
 class AcceptanceCalibrator:
@@ -492,7 +554,9 @@ class DraftSizer:
     probability* as confidence (the calibrated chance that the node is accepted;
     a child never above its parent) and each node's kind. ``select`` keeps the
     ``k`` best nodes that maximize expected tokens per unit of time,
-    ``(1 + sum of their path probabilities) / c(1 + k)``, and remembers them
+    ``(1 + sum of their path probabilities) / (c(1 + k) + h(k) / t1)``, where ``h(k)`` is the time a step
+    with ``k`` nodes spends outside its forward (``HostCostModel``, measured live where the engine reports it;
+    ``host_cost=False`` leaves it out) and ``t1`` a one-token forward's, and remembers them
     until ``judge`` sees the committed tokens and counts, per kind, what was
     accepted. ``k = 0`` (no draft) when nothing pays.
 
@@ -509,17 +573,47 @@ class DraftSizer:
     Shared across requests: numbers about the model and the machine, no tokens.
     """
 
-    def __init__(self, adaptive: bool = True, prior_cost_slope: float = 0.03):
+    def __init__(self, adaptive: bool = True, prior_cost_slope: float = 0.03, host_cost: bool = True):
         self.adaptive = check_bool("adaptive", adaptive)
         self.cost_model = BatchCostModel(prior_slope=check_number("prior_cost_slope", prior_cost_slope, 0.0))
         self.calibrator = AcceptanceCalibrator()
+        self.host_cost = check_bool("host_cost", host_cost)
+        self.host_models: dict[int, HostCostModel] = {}  # batch bucket -> h(k), the step's time outside its forward
+        self._step_costs: dict[int, list[float]] = {}  # bucket -> c(w) + h(w - 1) / t1, until the next forward
         self._pending: dict[Hashable, tuple[Draft, list]] = {}  # request -> verified candidates, their kinds
 
     def on_forward(self, report) -> None:
-        """A ``ForwardReport``: decode forwards calibrate c_B(n) (a prefill's cost is the prompt's)."""
+        """A ``ForwardReport``: decode forwards calibrate c_B(n) (a prefill's cost is the prompt's) and, where the
+        host measures it, h(k) (the previous step's time outside its forward)."""
         if report.prefill:
             return
         self.cost_model.add(report.batch_size, report.width, report.forward_s)
+        self._step_costs.clear()
+        if self.host_cost and report.step_outside_s is not None:
+            bucket = self.cost_model.bucket(report.batch_size)
+            model = self.host_models.get(bucket)
+            if model is None:
+                model = self.host_models[bucket] = HostCostModel()
+            model.add(report.step_nodes, report.step_outside_s)
+
+    def step_costs(self, num_nodes: int, batch_size: int = 1) -> list[float]:
+        """What a step feeding ``w - 1`` draft nodes costs, in one-token forwards, for ``w`` = 1 ..
+        ``num_nodes + 1`` (at least): the forward, ``c_B(w)``, plus the time outside it, ``(a + b (w - 1)) / t1``
+        (``HostCostModel``; ``t1`` the one-token forward's seconds). Without host measurements, ``c_B(w)``."""
+        bucket = self.cost_model.bucket(batch_size)
+        found = self._step_costs.get(bucket)
+        if found is not None and len(found) > num_nodes:
+            return found
+        costs = self.cost_model.cost_list(num_nodes + 1, batch_size)
+        host = self.host_models.get(bucket)
+        one_token_s = self.cost_model.one_token_s(batch_size) if host is not None else None
+        if one_token_s:
+            a, b = host.fit()
+            if a or b:
+                a, b = a / one_token_s, b / one_token_s
+                costs = [cost + a + b * nodes for nodes, cost in enumerate(costs)]
+        self._step_costs[bucket] = costs
+        return costs
 
     def select(self, request_id: Hashable, draft: Draft, kinds: list, budget: Budget,
                extras: tuple = ((0, 0.0),)) -> tuple[Draft, int]:
@@ -561,7 +655,7 @@ class DraftSizer:
             if not self.adaptive:
                 best = (0.0, option, available)  # the last option that fits
                 continue
-            costs = self.cost_model.cost_list(1 + num_extra + available, budget.batch_size)  # [w - 1]: c(w)
+            costs = self.step_costs(num_extra + available, budget.batch_size)  # [w - 1]: c(w) + h(w - 1) / t1
             base = 1.0 + num_extra * value
             best_rate, best_k, expected = base / costs[num_extra], 0, 0.0
             for k in range(available):  # expected tokens of the k + 1 best nodes: base + their sum

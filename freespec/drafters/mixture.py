@@ -36,9 +36,11 @@ frequency, ``calibrate_lookup``; recycled nodes: per row type, depth, rank and a
 ``RecycleSource``; a kind without counts of its own starts from a prior scaled by what its
 source's judged nodes showed). The trees are merged (``draft.merge``: shared paths become one node,
 named by the most trusted source), and ``DraftSizer`` keeps the ``k`` best nodes that
-maximize ``(1 + sum of their path probabilities) / c(1 + k + m)``, where ``c`` is the
-forward time with ``n`` tokens fed over that with 1, measured live from ``on_forward``
-(per batch size), and ``m`` the lookahead window's nodes, priced at the tokens a window
+maximize ``(1 + sum of their path probabilities) / (c(1 + k + m) + h(k + m) / t1)``, where ``c`` is
+the forward time with ``n`` tokens fed over that with 1, measured live from ``on_forward``
+(per batch size), ``h`` the step's time outside its forward with that many nodes (measured
+live too, ``HostCostModel``; it makes wide trees pay for their host work where the forward is
+flat), ``t1`` a one-token forward's time, and ``m`` the lookahead window's nodes, priced at the tokens a window
 node was measured to bring; ``k = 0`` (no draft) when nothing pays. So a long suffix or
 corpus match fills the tree where it is trusted, recycled nodes fill what the cost curve
 still affords (one to three nodes on a CPU in float32, where c(4) ~ 1.9; dozens where it
@@ -109,6 +111,8 @@ class MixtureDrafter(Drafter):
     flat_max_cost: recycling and lookahead run while the live cost of a 4-token forward is at
         most this many 1-token ones (``flat_curve``; ``float('inf')``: whatever the cost).
     prior_cost_slope: the cost model's prior, ``c(n) = 1 + slope (n - 1)``.
+    host_cost: price each step's time outside its forward, measured live, beside the forward's
+        (``DraftSizer``); False sizes trees by the forward's cost alone.
     early_exit: self-draft with the target's own layers where no other source pays (see above).
     """
 
@@ -126,7 +130,7 @@ class MixtureDrafter(Drafter):
                  recycle_confidence: bool = True,
                  lookahead: bool | None = None, lookahead_window: int = 5, lookahead_ngram: int = 4,
                  lookahead_guesses: int = 5, flat_max_cost: float = 1.5, prior_cost_slope: float = 0.03,
-                 early_exit: bool = False):
+                 host_cost: bool = True, early_exit: bool = False):
         super().__init__()
         history = resolve_history(history_tokens, history_prompts, history)
         self.suffix = SuffixSource(min_match, max_depth, min_prob, max_occurrences, history)
@@ -148,7 +152,7 @@ class MixtureDrafter(Drafter):
         lookahead = not early_exit if lookahead is None else check_bool("lookahead", lookahead)
         self.lookahead = LookaheadSource(*lookahead_options) if lookahead else None
         self._top_k = self.recycle.top_k if self.recycle is not None else (1 if self.lookahead else 0)
-        self.sizer = DraftSizer(adaptive, prior_cost_slope)
+        self.sizer = DraftSizer(adaptive, prior_cost_slope, host_cost)
         self._pool_only: dict[Hashable, tuple[Draft, np.ndarray]] = {}  # request -> verified draft, pool-only nodes
         self.early_exit = EarlyExitDrafter() if early_exit else None
         self.needs_model = early_exit
