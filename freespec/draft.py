@@ -55,11 +55,14 @@ class Budget:
     minus the bonus token the verifier always adds).
     ``batch_size``: how many rows share the forward (each with its own tree):
     a drafter that sizes trees by cost prices a node at that batch size.
+    ``chain``: the host verifies one chain, the draft's ``best_path`` (vLLM, ALiBi models): a drafter that
+    sizes by cost sizes that path, not a tree whose other branches the host drops.
     """
 
     num_nodes: int
     max_depth: int
     batch_size: int = 1
+    chain: bool = False
 
     def __post_init__(self):
         if self.num_nodes < 0 or self.max_depth < 0 or self.batch_size < 1:

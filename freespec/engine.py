@@ -467,8 +467,8 @@ class SpeculativeDecoder:
         depth_limit = self.traits.draft_depth_limit(row.num_committed)
         if depth_limit is not None and depth_limit < budget.max_depth:
             budget = Budget(budget.num_nodes, depth_limit)
-        if batch_size != 1:
-            budget = Budget(budget.num_nodes, budget.max_depth, batch_size)
+        if batch_size != 1 or self.traits.chains_only:
+            budget = Budget(budget.num_nodes, budget.max_depth, batch_size, self.traits.chains_only)
         if budget.max_depth == 0:
             return Draft.empty()
         if self.drafter.needs_model:  # row r's verified text: its slots after the left pads

@@ -212,6 +212,24 @@ def test_the_sizer_prices_the_steps_host_work():
     assert sizer.host_models == {}
 
 
+def test_a_host_that_verifies_one_chain_gets_its_best_path_sized():
+    """Budget(chain=True): the sizer prices the best path alone, not branches the host would drop; the
+    mixture's draft is then a chain (every node the child of the one before)."""
+    # root -> a (0.9) -> b (0.85) -> c (0.2); root -> x (0.6) -> y (0.55)
+    tree = Draft(np.array([10, 11, 12, 20, 21]), np.array([-1, 0, 1, -1, 3]),
+                 np.array([0.9, 0.85, 0.2, 0.6, 0.55], np.float32))
+    sizer = DraftSizer()
+    chosen, _ = sizer.select("r", tree, [("k",)] * 5, Budget(8, 8))
+    assert sorted(chosen.token_ids.tolist()) == [10, 11, 12, 20, 21]  # the flat prior keeps both branches
+    chosen, _ = sizer.select("r", tree, [("k",)] * 5, Budget(8, 8, chain=True))
+    assert chosen.token_ids.tolist() == [10, 11, 12] and chosen.parents.tolist() == [-1, 0, 1]
+    drafter = MixtureDrafter(min_match=1)
+    drafter.start("r", PROMPT)
+    draft = drafter.propose("r", Budget(16, 12, chain=True))
+    assert draft.num_nodes > 0 and draft.parents.tolist() == list(range(-1, draft.num_nodes - 1))
+    assert draft.token_ids.tolist() == _true_next(draft.num_nodes).tolist()
+
+
 def test_cost_model_pools_scattered_widths_in_their_group():
     model = CostModel()
     for _ in range(3):

@@ -627,15 +627,16 @@ class DraftSizer:
 
     def select_nodes(self, request_id: Hashable, draft: Draft, kinds: list, budget: Budget,
                      extras: tuple = ((0, 0.0),)) -> tuple[Draft, list[int], int]:
-        """``select``, with the chosen nodes' indices in ``draft`` (ascending) between the two."""
+        """``select``, with the chosen nodes' indices in ``draft`` (ascending) between the two; with ``budget.chain``
+        only the nodes of ``draft.best_path()`` are candidates (the chosen sub-tree is a chain)."""
         self._pending.pop(request_id, None)
         if draft.num_nodes == 0:
             return Draft.empty(), [], self._best([], budget, extras)[0]
         confidence = draft.confidence.tolist()
         depths = draft.depths().tolist()
-        # best first; ties: parents (lower index) first
-        order = sorted((i for i in range(draft.num_nodes) if depths[i] <= budget.max_depth),
-                       key=lambda i: (-confidence[i], i))
+        # best first; ties: parents (lower index) first; a host that verifies one chain gets the best path's nodes
+        nodes = draft.best_path() if budget.chain else range(draft.num_nodes)
+        order = sorted((i for i in nodes if depths[i] <= budget.max_depth), key=lambda i: (-confidence[i], i))
         option, num_nodes = self._best([confidence[i] for i in order], budget, extras)
         if num_nodes == 0:
             return Draft.empty(), [], option

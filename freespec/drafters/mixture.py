@@ -313,7 +313,7 @@ class MixtureDrafter(Drafter):
             kinds = [kind for _, kind in best]
         else:
             merged, kinds, node_maps = Draft.empty(), [], []
-        if self.lookahead is None or not flat:
+        if self.lookahead is None or not flat or budget.chain:  # a chain has no room for the window's columns
             self._pool_only.pop(request_id, None)
             chosen = self.sizer.select(request_id, merged, kinds, budget)[0]
             return chosen if chosen.num_nodes else self._self_draft(request_id, budget)

@@ -205,7 +205,7 @@ class Proposer:
         key = (max_depth, batch_size)
         budget = self._budgets.get(key)
         if budget is None:
-            budget = self._budgets[key] = Budget(self.num_speculative_tokens, max_depth, batch_size)
+            budget = self._budgets[key] = Budget(self.num_speculative_tokens, max_depth, batch_size, chain=True)
         return budget
 
     def _input_batch(self, token_ids_cpu):
