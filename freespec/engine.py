@@ -535,9 +535,8 @@ class SpeculativeDecoder:
         prefill = self.stats.forward_passes == 0
         t0 = time.perf_counter()
         logits = run(self.model, sent)
-        last_step = None if prefill else self._last_step
         report = ForwardReport(tuple(row.request_id for row in active), tuple(step.num_fed for step in steps),
-                               time.perf_counter() - t0, prefill, *(last_step or (None, 0)))
+                               time.perf_counter() - t0, prefill, *(self._last_step or (None, 0)))
         self.stats.forward_s += report.forward_s
         self.drafter.on_forward(report)
         self.stats.forward_passes += 1
