@@ -522,3 +522,31 @@ def test_a_large_batch_drafts_less():
     for batch_size, expect in ((1, 3), (8, 0)):
         chosen, _ = drafter.sizer.select("r", draft, [("k",)] * 3, Budget(24, 8, batch_size))
         assert chosen.num_nodes == expect
+
+
+def test_a_packed_batch_is_priced_by_its_tokens_in_all():
+    """vLLM lays rows end to end: a step costs 110 ms + 6 ms per token fed in all. Steps of 8 rows where one or
+    two rows draft 8 tokens and a step where all eight do have the same widest row (9), not the same cost."""
+    rng = np.random.default_rng(0)
+
+    def step_s(tokens_per_row):
+        return 0.110 + 0.006 * sum(tokens_per_row)
+
+    def reports(packed):
+        for _ in range(40):
+            drafting = int(rng.integers(1, 3))  # rows with a draft of 8 tokens (few copy at once); the others feed 1
+            rows = (9,) * drafting + (1,) * (8 - drafting)
+            yield ForwardReport(tuple(range(8)), rows, step_s(rows), packed=packed)
+        for _ in range(5):
+            yield ForwardReport(tuple(range(8)), (1,) * 8, step_s((1,) * 8), packed=packed)
+
+    truth = step_s((9,) * 8) / step_s((1,) * 8)  # 3.4
+    for packed in (True, False):
+        sizer = DraftSizer()
+        for report in reports(packed):
+            sizer.on_forward(report)
+        if packed:
+            assert sizer.cost_model.cost(9, 8) == pytest.approx(truth, rel=0.05)
+        else:  # filed by the widest row, the mixed steps make eight drafting rows look cheap
+            assert sizer.cost_model.cost(9, 8) < 0.7 * truth
+    assert ForwardReport(("a", "b"), (9, 1), 0.1, packed=True).num_tokens == 10

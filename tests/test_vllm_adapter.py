@@ -254,6 +254,21 @@ def test_hints_reach_the_drafter(monkeypatch):
     assert prop.num_hint_errors == 1 and prop.num_live_requests == 3  # c drafts without its bad hint
 
 
+def test_each_step_is_reported_as_a_packed_batch(monkeypatch):
+    """vLLM lays rows end to end: the step since the last propose goes to on_forward with each row's tokens fed
+    (1 + its draft) as a packed batch, so the cost model files it by its tokens in all."""
+    drafter = Recording()
+    reports = []
+    drafter.on_forward = reports.append
+    prop, runner = _proposer(monkeypatch, drafter)
+    runner.step({"a": [1, 2, 3], "b": [10, 11]}, {"a": [3], "b": [11]})
+    assert reports == []  # no step before the first propose
+    runner.step({"a": [1, 2, 3, 4], "b": [10, 11, 12]}, {"a": [4], "b": [12]})
+    (report,) = reports
+    assert report.request_ids == ("a", "b") and report.tokens_per_row == (4, 4)
+    assert report.packed and report.num_tokens == 8 and report.forward_s > 0
+
+
 def test_the_mixture_drafts_a_chain_from_the_prompt(monkeypatch):
     prop, runner = _proposer(monkeypatch, make("mixture", recycle=False, lookahead=False), k=6)
     seq = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7]

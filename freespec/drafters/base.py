@@ -122,8 +122,11 @@ class ForwardReport:
     ``step_outside_s``: wall seconds the previous decode step spent outside its forward (drafting, the tree's
     inputs, verification's tensor work, the walk, the drafters' bookkeeping), or None where the host does not
     measure it (serving engines, replay); ``step_nodes``: the draft nodes that step fed, summed over its rows.
-    A batch pads rows to ``width = max(tokens_per_row)`` tokens each.
-    ``ForwardReport(("r",), (5,), 0.02, False).width -> 5``.
+    ``packed``: False where the batch pads rows to ``width = max(tokens_per_row)`` tokens each (HF
+    ``generate()``); True where the host lays rows end to end (vLLM), so the forward costs what one sequence of
+    ``num_tokens = sum(tokens_per_row)`` tokens costs, however they split between rows.
+    ``ForwardReport(("r",), (5,), 0.02, False).width -> 5``;
+    ``ForwardReport(("a", "b"), (9, 1), 0.1, packed=True).num_tokens -> 10``.
     """
 
     request_ids: tuple
@@ -132,6 +135,7 @@ class ForwardReport:
     prefill: bool = False
     step_outside_s: float | None = None
     step_nodes: int = 0
+    packed: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -140,6 +144,10 @@ class ForwardReport:
     @property
     def width(self) -> int:
         return max(self.tokens_per_row, default=0)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.tokens_per_row)
 
 
 MAX_TOKEN_ROWS = 1 << 18

@@ -27,8 +27,9 @@ What vLLM does not hand a ``custom_class`` proposer, and how it is found:
   token recycling and lookahead are off (``options.VLLM_FIXED``);
 - **forward times**: the time from the end of one ``propose`` to the start of
   the next is the engine's step (forward, sampling, bookkeeping); it goes to the
-  drafter's ``on_forward`` with each row's tokens fed (1 + its draft), so the
-  mixture sizes drafts from the engine's measured cost, as under ``generate()``.
+  drafter's ``on_forward`` with each row's tokens fed (1 + its draft), as a
+  packed batch (vLLM lays rows end to end: a step costs what its total tokens
+  cost), so the mixture sizes drafts from the engine's measured cost.
 
 Per-request state follows vLLM's requests through ``HostRequests`` (the
 lifecycle shared with the SGLang plugin): started from the row's whole sequence
@@ -221,7 +222,7 @@ class Proposer:
         """The step since the last ``propose`` returned, with the tokens each row fed, to ``on_forward``."""
         if self._step_began is not None and self._last_rows and self._last_rows[0]:
             request_ids, tokens_per_row = self._last_rows
-            self.drafter.on_forward(ForwardReport(request_ids, tokens_per_row, began - self._step_began))
+            self.drafter.on_forward(ForwardReport(request_ids, tokens_per_row, began - self._step_began, packed=True))
 
     # ------------------------------------------------------------ requests
     def _release_exits(self, scheduler_output) -> None:
