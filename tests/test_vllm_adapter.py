@@ -331,7 +331,7 @@ def test_serving_bench_summary_speedups_best_k_categories_and_identity(tmp_path)
     def run(seconds, request_seconds, outputs):
         return {"code-edit@1": {"seconds": seconds, "tokens": sum(map(len, outputs)), "outputs": outputs,
                                 "categories": ["rename", "fix-bug"], "request_seconds": request_seconds,
-                                "mean_accepted_length": 2.0}}
+                                "mean_accepted_length": 2.0, "mean_draft_length": 3.0}}
 
     same = [[1, 2, 3, 4], [5, 6]]
     runs = {"vanilla": [run(6.0, [4.0, 2.0], same), run(6.0, [4.0, 2.0], same)],
@@ -348,7 +348,7 @@ def test_serving_bench_summary_speedups_best_k_categories_and_identity(tmp_path)
     by_category = {(row["label"], row["category"]): row["speedup"] for row in results["categories"]}
     assert by_category[("ngram-k16", "rename")] == pytest.approx(4.0)  # 8 tokens in 2 s against 8 in 8 s
     assert by_category[("ngram-k8", "fix-bug")] == pytest.approx(2.0)
-    assert "| code-edit | 1 | ngram | 16 | 3.0 | 3.00x | 2.00 | NO |" in table
+    assert "| code-edit | 1 | ngram | 16 | 3.0 | 3.00x | 2.00 | 3.00 | NO |" in table
 
 
 def test_serving_bench_refuses_methods_without_plain_vllm(capsys):

@@ -15,7 +15,8 @@ its own answer). With several ``--k`` every speculative method runs at each (an 
 in the order given, then reversed (``--order abba``, the default: A B C D D C B A), and each figure is the
 mean of its two runs, which cancels a drifting machine. Reported per method, K, workload and concurrency:
 output tokens/s, speedup over plain vLLM, mean accepted length (vLLM's own spec-decode counters: tokens
-per verify step, drafts accepted + 1) and whether every output is plain vLLM's, token for token; each
+per verify step with a draft, drafts accepted + 1), mean draft length (tokens drafted per such step: what
+verification paid for) and whether every output is plain vLLM's, token for token; each
 method at its best K beside the first K given; at concurrency 1 the speedup per category (each request's
 own time). Writes ``results.json`` and ``table.md`` and prints the tables.
 
@@ -109,27 +110,29 @@ def run_method(args) -> dict:
                 outputs += [list(o.outputs[0].token_ids) for o in outs]
                 seconds.append(time.perf_counter() - start)
             after = _spec_counters(llm)
-            drafts = after[0] - counters[0]
-            accepted = after[1] - counters[1]
+            drafts, accepted, drafted = (a - b for a, b in zip(after, counters))
             result[f"{workload}@{concurrency}"] = {
                 "seconds": time.perf_counter() - begin, "tokens": sum(map(len, outputs)), "outputs": outputs,
                 "categories": [category for category, _ in items],
                 # concurrency 1: each request's own seconds (per-category speedups); else one per batch
                 "request_seconds": seconds if concurrency == 1 else None,
-                "mean_accepted_length": (1 + accepted / drafts) if drafts else 1.0}
+                "mean_accepted_length": (1 + accepted / drafts) if drafts else 1.0,
+                "mean_draft_length": drafted / drafts if drafts else 0.0}
     llm.llm_engine.engine_core.shutdown()
     return result
 
 
-def _spec_counters(llm) -> tuple[float, float]:
-    """(verify steps with drafts, accepted draft tokens) from vLLM's metrics."""
-    steps = accepted = 0.0
+def _spec_counters(llm) -> tuple[float, float, float]:
+    """(verify steps with drafts, accepted draft tokens, draft tokens) from vLLM's metrics."""
+    steps = accepted = drafted = 0.0
     for metric in llm.get_metrics():
         if metric.name == "vllm:spec_decode_num_drafts":
             steps += metric.value
         elif metric.name == "vllm:spec_decode_num_accepted_tokens":
             accepted += metric.value
-    return steps, accepted
+        elif metric.name == "vllm:spec_decode_num_draft_tokens":
+            drafted += metric.value
+    return steps, accepted, drafted
 
 
 def _summarize(runs: dict, configs: list, default_k: int, out: Path) -> str:
@@ -149,6 +152,7 @@ def _summarize(runs: dict, configs: list, default_k: int, out: Path) -> str:
                          "label": label, "tokens_per_s": rates[label],
                          "speedup": rates[label] / rates["vanilla"] if "vanilla" in rates else None,
                          "mean_accepted_length": sum(r["mean_accepted_length"] for r in results) / len(results),
+                         "mean_draft_length": sum(r.get("mean_draft_length", 0.0) for r in results) / len(results),
                          "identical_to_plain": None if base is None else all(r["outputs"] == base for r in results)})
         for method in dict.fromkeys(method for _, method, k in configs if k is not None):
             mine = [row for row in rows[-len(configs):] if row["method"] == method]
@@ -190,10 +194,11 @@ def _markdown(rows: list, best_rows: list, category_rows: list) -> str:
     def yes(value):
         return "-" if value is None else "yes" if value else "NO"
 
-    lines = ["| workload | concurrency | method | K | tokens/s | x plain vLLM | mean accepted length | identical |",
-             "|---|---:|---|---:|---:|---:|---:|---|"]
+    lines = ["| workload | concurrency | method | K | tokens/s | x plain vLLM | mean accepted length | mean draft length "
+             "| identical |", "|---|---:|---|---:|---:|---:|---:|---:|---|"]
     lines += [f"| {r['workload']} | {r['concurrency']} | {r['method']} | {r['k'] or '-'} | {r['tokens_per_s']:.1f} | "
-              f"{r['speedup']:.2f}x | {r['mean_accepted_length']:.2f} | {yes(r['identical_to_plain'])} |" for r in rows]
+              f"{r['speedup']:.2f}x | {r['mean_accepted_length']:.2f} | {r['mean_draft_length']:.2f} | "
+              f"{yes(r['identical_to_plain'])} |" for r in rows]
     lines += ["", "| workload | concurrency | method | best K | x plain at best K | x plain at default K |",
               "|---|---:|---|---:|---:|---:|"]
     lines += [f"| {r['workload']} | {r['concurrency']} | {r['method']} | {r['best_k']} | {r['speedup_at_best_k']:.2f}x | "
