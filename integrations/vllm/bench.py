@@ -117,7 +117,10 @@ def run_method(args) -> dict:
                 # concurrency 1: each request's own seconds (per-category speedups); else one per batch
                 "request_seconds": seconds if concurrency == 1 else None,
                 "mean_accepted_length": (1 + accepted / drafts) if drafts else 1.0,
-                "mean_draft_length": drafted / drafts if drafts else 0.0}
+                "mean_draft_length": drafted / drafts if drafts else 0.0,
+                # vLLM's counters as they are: verify steps with a draft, tokens accepted, tokens drafted (one
+                # request at a time, a request's verify steps are its output tokens less the accepted ones)
+                "drafts": drafts, "accepted_tokens": accepted, "draft_tokens": drafted}
     llm.llm_engine.engine_core.shutdown()
     return result
 
