@@ -32,6 +32,8 @@ def test_worked_examples():
     assert oracle_steps([5], [7] * 6, k=8) == 3  # a repeat copies from itself once two 7s are there
     assert oracle_steps([1, 2, 3], [], k=8) == 0
     assert oracle_steps([], [9], k=8) == 1
+    assert oracle_steps([], [1, 2, 3], k=8) == 3  # nothing seen: every token the target's
+    assert oracle_steps([], [1, 2, 3], k=8, history=[1, 2, 3]) == 2  # 1 new, then 2 copied from an earlier request
     with pytest.raises(ValueError, match="k and min_match"):
         oracle_steps([1], [2], k=0)
 

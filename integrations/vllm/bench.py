@@ -155,7 +155,7 @@ def _summarize(runs: dict, configs: list, default_k: int, out: Path) -> str:
                          "label": label, "tokens_per_s": rates[label],
                          "speedup": rates[label] / rates["vanilla"] if "vanilla" in rates else None,
                          "mean_accepted_length": sum(r["mean_accepted_length"] for r in results) / len(results),
-                         "mean_draft_length": sum(r.get("mean_draft_length", 0.0) for r in results) / len(results),
+                         "mean_draft_length": sum(r["mean_draft_length"] for r in results) / len(results),
                          "identical_to_plain": None if base is None else all(r["outputs"] == base for r in results)})
         for method in dict.fromkeys(method for _, method, k in configs if k is not None):
             mine = [row for row in rows[-len(configs):] if row["method"] == method]
