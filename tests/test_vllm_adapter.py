@@ -359,3 +359,25 @@ def test_serving_bench_refuses_methods_without_plain_vllm(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--methods", "ngram,freespec", "--out", "unused"])
     assert "--methods must include vanilla" in capsys.readouterr().err
+
+
+def test_serving_bench_workloads_option(tmp_path, capsys):
+    """``--workloads`` picks the workloads a run measures: an unknown or repeated name is refused before any
+    engine starts, naming the argument; a run of Spec-Bench alone builds that workload's prompts only,
+    both phases from the given file."""
+    from freespec import models
+    from freespec.integrations.vllm import bench
+
+    for bad in ("spec-bench,chat", "code-edit,code-edit", ""):
+        with pytest.raises(SystemExit):
+            bench.main(["--workloads", bad, "--out", str(tmp_path / "unused")])
+        assert "--workloads: expected some of code-edit,spec-bench" in capsys.readouterr().err
+    assert not (tmp_path / "unused").exists()
+    path = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": "ab"[i % 2], "turns": [f"question {i}"]} for i in range(6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    workloads = bench._prompts(str(models.local_dir("smollm2-135m")), {"spec-bench": 2}, 2, str(path))
+    assert list(workloads) == ["spec-bench"]
+    assert [len(workloads["spec-bench"][c]) for c in (1, 2)] == [2, 2]
+    phases = [[tuple(ids) for _, ids in workloads["spec-bench"][c]] for c in (1, 2)]
+    assert len(set(phases[0] + phases[1])) == 4  # four different prompts, none in both phases

@@ -4,6 +4,7 @@
 
     python -m freespec.integrations.vllm.bench --model smollm2-135m --out bench_out/vllm
     python -m freespec.integrations.vllm.bench --methods vanilla,freespec --code-edit 4 --spec-bench 8
+    python -m freespec.integrations.vllm.bench --workloads spec-bench --methods vanilla,suffix,freespec
     python -m freespec.integrations.vllm.bench --k 8,4,16 --out bench_out/vllm-k
 
 Every method runs the same prompts (chat-templated ``builtin:code-edit`` items and Spec-Bench questions,
@@ -70,6 +71,8 @@ def _prompts(model_dir: str, counts: dict, batch: int, spec_bench: str) -> dict:
 
     workloads = {}
     for workload, source in (("code-edit", "builtin:code-edit"), ("spec-bench", spec_bench)):
+        if workload not in counts:
+            continue
         wanted = counts[workload] + batch
         items = load_dataset(source)
         if len(items) < wanted:
@@ -437,6 +440,8 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", default="vanilla,ngram,suffix,freespec")
     parser.add_argument("--k", default="8", help="num_speculative_tokens of every speculative method; several "
                         "(4,8,16): an engine per method and K, each method's best K reported beside the first")
+    parser.add_argument("--workloads", default="code-edit,spec-bench",
+                        help="comma-separated: code-edit (builtin:code-edit), spec-bench (--spec-bench-path)")
     parser.add_argument("--code-edit", type=int, default=4,
                         help="builtin:code-edit prompts at concurrency 1 (--batch more, others, at --batch)")
     parser.add_argument("--spec-bench", type=int, default=8,
@@ -495,13 +500,17 @@ def main(argv=None) -> int:
     if "vanilla" not in methods:
         parser.error(f"--methods must include vanilla (plain vLLM): every speedup and the identity of outputs are "
                      f"measured against it; got {args.methods!r}")
+    counts = {"code-edit": args.code_edit, "spec-bench": args.spec_bench}
+    workloads = args.workloads.split(",")
+    if set(workloads) - set(counts) or len(set(workloads)) < len(workloads):
+        parser.error(f"--workloads: expected some of code-edit,spec-bench separated by commas, got {args.workloads!r}")
+    counts = {workload: count for workload, count in counts.items() if workload in workloads}
     from freespec import models
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = str(models.local_dir(args.model))
     prompts = out / "prompts.json"
-    counts = {"code-edit": args.code_edit, "spec-bench": args.spec_bench}
     prompts.write_text(json.dumps(_prompts(model_dir, counts, args.batch, args.spec_bench_path)))
     # (label, method, K): plain vLLM once, every speculative method at every K
     configs = [(m, m, None) if METHODS[m] is None else (m if len(ks) == 1 else f"{m}-k{k}", m, k)
