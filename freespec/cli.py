@@ -121,6 +121,10 @@ def _add_replay_parser(sub) -> None:
                         help="simulate a machine: a bench results.json or k:c pairs (see below)")
     replay.add_argument("--one-token-ms", type=float, metavar="MS",
                         help="time of a one-token forward (default: the results.json's, else 100)")
+    replay.add_argument("--chain", action="store_true",
+                        help="the host verifies one chain a step, as vLLM does: every draft is cut to its best "
+                             "path and drafters that size by cost size that path (with --max-draft-tokens K "
+                             "--max-draft-depth K: vLLM's num_speculative_tokens K)")
     replay.add_argument("--json", help="also write the full results to this JSON file")
 
 
@@ -363,7 +367,8 @@ def replay_command(args) -> int:
     _print_replay(args, traces, cost, results, skipped)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"traces": args.traces, "cost_curve": dataclasses.asdict(cost) if cost else None,
+            json.dump({"traces": args.traces, "chain": args.chain,
+                       "cost_curve": dataclasses.asdict(cost) if cost else None,
                        "results": results, "skipped": skipped}, f, indent=1)
         print(f"wrote {args.json}")
     return 0 if results else EXIT_BAD_INPUT
@@ -389,7 +394,7 @@ def _replay_all(args, methods, traces, cost) -> tuple[dict, dict]:
             skipped[label] = str(exc)
             print(f"!!! {label} NOT REPLAYED: {exc}", file=sys.stderr)
             continue
-        results[label] = replay_tau(traces, lambda m=method: make_drafter(m), config, cost)
+        results[label] = replay_tau(traces, lambda m=method: make_drafter(m), config, cost, args.chain)
         results[label]["config"] = {"max_draft_tokens": config.max_draft_tokens,
                                     "max_draft_depth": config.max_draft_depth}
     return results, skipped
@@ -406,6 +411,9 @@ def _print_replay(args, traces, cost, results: dict, skipped: dict) -> None:
     print("\ntau is exact for drafters that do not read logits; budget caps: "
           + ", ".join(f"{label}: {r['config']['max_draft_tokens']} nodes, depth {r['config']['max_draft_depth']}"
                       for label, r in results.items()))
+    if args.chain:
+        print("one chain a step (--chain): every draft cut to its best path, as a host that verifies chains "
+              "(vLLM) does")
     if cost is not None:
         print(f"times are SIMULATED, not measured: each forward takes c(tokens fed) x one-token time, from "
               f"{cost.describe()}; c is linear between points and continues along its last segment past "

@@ -262,6 +262,9 @@ def test_replay_cli(tmp_path, capsys):
     none = saved["results"]["prompt_lookup"]["per_category"]["none"]  # no match: plain decoding's forwards
     assert none["speedup"] < 1.0 and none["forward_s"] == pytest.approx(none["plain_s"])
 
+    assert main(["replay", str(path), "--drafters", "suffix", "--chain", "--json", str(out_json)]) == 0
+    assert "one chain a step" in capsys.readouterr().out and json.loads(out_json.read_text())["chain"] is True
+
 
 @pytest.mark.parametrize("extra,message", [
     (["--one-token-ms", "5"], "--one-token-ms scales a cost curve"),
@@ -313,3 +316,73 @@ def test_budget_is_the_engines(tiny_llama):
     assert replayed.budgets == live.budgets
     # 9 tokens, 3 per step: remaining 9 -> depth 4, 6 -> 4, 3 -> 2
     assert live.budgets == [Budget(5, 4), Budget(5, 4), Budget(5, 2)]
+
+
+class Forked(Drafter):
+    """The module docstring's chain example: the tree 5 -> 6 (0.9) and 5 -> 9 (0.5) after the prompt [1]."""
+
+    name = "forked"
+
+    def __init__(self):
+        super().__init__()
+        self.budgets, self.reports = [], []
+
+    def on_forward(self, report):
+        self.reports.append(report)
+
+    def _propose(self, request_id, budget):
+        self.budgets.append(budget)
+        if len(self.context(request_id)) > 1:
+            return Draft.empty()
+        return Draft(np.array([5, 6, 9]), np.array([-1, 0, 0]), np.array([1.0, 0.9, 0.5], np.float32))
+
+
+def test_chain_replay_verifies_the_best_path_alone():
+    """--chain: the budget says the host verifies a chain, the draft is cut to its best path before it is fed
+    and counted, and forwards are reported packed."""
+    from freespec.bench.cost import CostCurve
+
+    drafter = Forked()
+    result = replay_tau([_trace([1], [5, 6, 7], 16)], lambda: drafter, SpecConfig(), CostCurve.parse("1:1,2:1.1"),
+                        chain=True)
+    overall = result["overall"]
+    assert overall["forwards"] == 1 and overall["draft_tokens"] == 2 and overall["accepted_draft_tokens"] == 2
+    assert drafter.budgets[0].chain and drafter.reports[0].packed and drafter.reports[0].tokens_per_row == (3,)
+    tree = replay_tau([_trace([1], [5, 6, 7], 16)], Forked, SpecConfig())["overall"]
+    assert tree["draft_tokens"] == 3 and tree["forwards"] == 1
+
+
+class BestPathOf(Drafter):
+    """Twin of chain replay: the inner drafter's tree cut to its best path, under a plain (tree) budget."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.name = inner, inner.name
+
+    def start(self, request_id, prompt_ids):
+        self.inner.start(request_id, prompt_ids)
+
+    def propose(self, request_id, budget):
+        draft = self.inner.propose(request_id, budget)
+        path = draft.best_path()[:budget.max_depth] if draft.num_nodes else []
+        return draft.select(np.array(path, np.int64)) if path else Draft.empty()
+
+    def extend(self, request_id, accepted_ids):
+        self.inner.extend(request_id, accepted_ids)
+
+    def stop(self, request_id):
+        self.inner.stop(request_id)
+
+
+def test_chain_replay_of_a_tree_drafter_equals_its_best_paths():
+    """A drafter that does not size by cost: chain replay counts what replaying its best paths counts."""
+    rng = np.random.default_rng(3)
+    block = rng.integers(10, 40, 24).tolist()
+    traces = [_trace(block + rng.integers(10, 40, 8).tolist(), (block[5:] + rng.integers(10, 40, 6).tolist()) * 2,
+                     96) for _ in range(4)]
+    config = SpecConfig(max_draft_tokens=8, max_draft_depth=6)
+    chained = replay_tau(traces, lambda: make("suffix", min_match=1), config, chain=True)["overall"]
+    twin = replay_tau(traces, lambda: BestPathOf(make("suffix", min_match=1)), config)["overall"]
+    for key in ("forwards", "draft_tokens", "accepted_draft_tokens", "steps_with_draft"):
+        assert chained[key] == twin[key], key
+    assert chained["tau"] > 1.5

@@ -29,6 +29,14 @@ In the example above with ``c(k) = 1 + 0.1 (k - 1)``, 10 ms per token and a
 1-token prompt: forward 1 feeds 1 + 2 tokens (12 ms), forward 2 feeds 1 + 1
 (11 ms): 23 ms plus the drafter's time; plain decoding: 4 forwards at c(1), 40 ms.
 
+**Chains.** A host that verifies one chain per step (vLLM's and SGLang's linear speculation) drops every
+branch of a tree but its best path. With ``chain=True`` every budget says so (``Budget.chain``: a drafter
+that sizes by cost sizes that path), the draft is cut to ``best_path()[:max_depth]`` before it is verified
+and counted, and forwards are reported as a packing host reports them (``ForwardReport.packed``): the
+verify steps, tau and simulated time such a host would see. Worked example: a drafter that proposes the
+tree ``5 -> 6`` plus ``5 -> 9`` (``6`` the more confident), output ``[5, 6, 7]``: the chain ``5, 6`` is
+verified, two nodes fed.
+
 Exact for drafters that do not read logits: a drafter with
 ``observe_top_k > 0`` gets no ``observe`` calls here (there are no logits),
 and the result says so.
@@ -96,8 +104,9 @@ class ReplayedRequest:
 
     def __init__(self, drafter, request_id, prompt_ids: Sequence[int], output_ids: Sequence[int],
                  max_new_tokens: int, config: SpecConfig, observe_truth: bool = False,
-                 call: Callable = lambda method, *args: method(*args)):
+                 call: Callable = lambda method, *args: method(*args), chain: bool = False):
         self.drafter, self.request_id, self.config, self.call = drafter, request_id, config, call
+        self.chain = chain
         self.prompt = np.asarray(prompt_ids, np.int64)
         self.output = np.asarray(output_ids, np.int64)
         self.max_new_tokens, self.observe_truth = max_new_tokens, observe_truth
@@ -112,11 +121,13 @@ class ReplayedRequest:
         budget = self.config.step_budget(self.max_new_tokens - self.generated)
         if budget.max_depth == 0:
             return Draft.empty()
-        if batch_size != 1:
-            budget = Budget(budget.num_nodes, budget.max_depth, batch_size)
+        if batch_size != 1 or self.chain:
+            budget = Budget(budget.num_nodes, budget.max_depth, batch_size, chain=self.chain)
         draft = self.call(self.drafter.propose, self.request_id, budget)
         if draft.num_nodes:
             draft.validate(budget)
+            if self.chain:  # the host verifies the best path alone (its nodes ascend: parents come first)
+                draft = draft.select(np.array(draft.best_path()[:budget.max_depth], np.int64))
         return draft
 
     def num_fed(self, draft: Draft) -> int:
@@ -147,8 +158,8 @@ def _truth_top1(draft: Draft, accepted: list[int], truth: np.ndarray) -> np.ndar
 
 
 def replay_one(drafter, request_id, prompt_ids: Sequence[int], output_ids: Sequence[int], max_new_tokens: int,
-               config: SpecConfig, cost: CostCurve | None = None) -> dict:
-    """Counters of one replayed request (the drafter is started and stopped here).
+               config: SpecConfig, cost: CostCurve | None = None, chain: bool = False) -> dict:
+    """Counters of one replayed request (the drafter is started and stopped here); ``chain``: see the module.
 
     With ``cost``: ``forward_s`` (simulated forwards), ``plain_s`` (simulated
     plain decoding) and ``drafter_s`` (measured); without, those are 0.
@@ -162,7 +173,8 @@ def replay_one(drafter, request_id, prompt_ids: Sequence[int], output_ids: Seque
         finally:
             counts["drafter_s"] += time.perf_counter() - t0
 
-    request = ReplayedRequest(drafter, request_id, prompt_ids, output_ids, max_new_tokens, config, call=timed)
+    request = ReplayedRequest(drafter, request_id, prompt_ids, output_ids, max_new_tokens, config, call=timed,
+                              chain=chain)
     timed(drafter.start, request_id, request.prompt)
     try:
         while not request.done:
@@ -173,7 +185,7 @@ def replay_one(drafter, request_id, prompt_ids: Sequence[int], output_ids: Seque
                 num_fed = request.num_fed(draft)
                 forward_s = cost.forward_ms(num_fed) / 1000
                 counts["forward_s"] += forward_s
-                timed(drafter.on_forward, ForwardReport((request_id,), (num_fed,), forward_s, prefill))
+                timed(drafter.on_forward, ForwardReport((request_id,), (num_fed,), forward_s, prefill, packed=chain))
             accepted, _ = request.commit(draft)
             if draft.num_nodes:
                 counts["steps_with_draft"] += 1
@@ -209,13 +221,13 @@ def _summary(counts: Iterable[dict]) -> dict:
 
 
 def replay_tau(traces: Sequence[dict], drafter_factory: Callable[[], object], config: SpecConfig | None = None,
-               cost: CostCurve | None = None) -> dict:
+               cost: CostCurve | None = None, chain: bool = False) -> dict:
     """Exact greedy tau of the drafter from ``drafter_factory()`` on ``traces``; with ``cost``, its simulated speed.
 
     One drafter replays every trace in order (as one patched model serves
     successive ``generate()`` calls, so a request history fills up the same way).
     ``config`` gives ``max_draft_tokens`` and ``max_draft_depth`` (its
-    ``drafter`` field is ignored). Returns ``{"overall": {...}, "per_category":
+    ``drafter`` field is ignored); ``chain``: the host verifies one chain a step (see the module). Returns ``{"overall": {...}, "per_category":
     {name: {...}}, "per_trace": [...], "notes": [...]}`` where each summary has
     ``tau``, ``new_tokens``, ``forwards``, ``steps_with_draft``, ``draft_tokens``,
     ``accepted_draft_tokens``, ``acceptance_rate`` and ``prompts``; with ``cost``
@@ -236,7 +248,7 @@ def replay_tau(traces: Sequence[dict], drafter_factory: Callable[[], object], co
     for index, trace in enumerate(traces):
         check_trace(trace)
         counts = replay_one(drafter, ("replay", index), trace["prompt_ids"], trace["output_ids"],
-                            int(trace["max_new_tokens"]), config, cost)
+                            int(trace["max_new_tokens"]), config, cost, chain)
         counts["category"] = trace.get("category", "all")
         counts["item_id"] = trace.get("item_id", str(index))
         counts["tau"] = counts["new_tokens"] / counts["forwards"] if counts["forwards"] else 0.0
