@@ -111,6 +111,19 @@ def test_options_from_env_and_config(tmp_path):
     assert mixture.recycle is None and mixture.lookahead is None  # fixed under vLLM: no logits, chains only
 
 
+def test_mixture_defaults_under_vllm():
+    """Under vLLM the mixture drafts after one-token matches and keeps a bounded history of earlier requests
+    (VLLM_DEFAULTS); an option the file sets wins, and "isolated" keeps every request's text to itself."""
+    mixture = options.build_drafter(options.VllmOptions("mixture", {}, False, "test"))
+    assert mixture.suffix.min_match == 1 and mixture.history.max_tokens == 1 << 18
+    own = options.build_drafter(options.VllmOptions("mixture", {"min_match": 3, "history_tokens": 0}, False, "t"))
+    assert own.suffix.min_match == 3 and own.history is None
+    isolated = options.build_drafter(options.VllmOptions("mixture", {}, True, "test"))
+    assert isolated.history is None and isolated.suffix.min_match == 1
+    suffix = options.build_drafter(options.VllmOptions("suffix", {}, False, "test"))  # other drafters: their own
+    assert suffix.suffix.min_match == 2 and suffix.history is None
+
+
 @pytest.mark.parametrize("config, message", [
     ({"drafter_options": {"mixture": {"nope": 1}}}, r"drafter 'mixture' has no option 'nope'"),
     ({"drafter_options": {"mixture": {"lookahead": True}}}, r"option 'lookahead' must be False under vLLM"),

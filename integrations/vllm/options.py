@@ -22,7 +22,15 @@ hands a ``custom_class`` proposer no logits), ``lookahead`` is False (its Jacobi
 window rides in the verify forward as not-candidate nodes, and vLLM verifies a
 plain chain) and so is ``early_exit`` (no way to run the target's layers). The
 mixture drafts from the lookup sources: the request's prompt and output,
-documents, a predicted output, and a request history where configured.
+documents, a predicted output, and a request history.
+
+Defaults of the mixture under vLLM (``VLLM_DEFAULTS``; an option set in the file
+wins): ``min_match=1`` and ``history_tokens=262144``. With lookup as its only
+source and one chain verified a step, the mixture drafts after a one-token match
+too (its calibrated probabilities and the step's cost decide whether that pays)
+and from earlier requests' outputs, as vLLM's ``suffix`` does from its cache of
+earlier requests. The history is bounded (262,144 tokens, about 30-40 MB) and
+never changes an output; ``"isolated": true`` or ``history_tokens: 0`` turns it off.
 """
 
 from __future__ import annotations
@@ -43,6 +51,11 @@ VLLM_FIXED = {  # option -> (its value under vLLM, why)
     "lookahead": (False, "the lookahead window rides in the verify forward as not-candidate nodes, and vLLM "
                          "verifies a plain chain"),
     "early_exit": (False, "vLLM hands a custom_class proposer no way to run the target's layers"),
+}
+
+VLLM_DEFAULTS = {  # mixture option -> its default under vLLM (an option the file sets wins); see the module
+    "min_match": 1,
+    "history_tokens": 1 << 18,
 }
 
 
@@ -79,5 +92,10 @@ def build_drafter(opts: VllmOptions):
                 raise ValueError(f"{opts.where}: 'isolated' is true, so drafter {opts.drafter!r} option {option!r} "
                                  f"must be {value!r}, got {drafter_options[option]!r}")
             drafter_options[option] = value
+    if opts.drafter == "mixture":
+        for option, value in VLLM_DEFAULTS.items():
+            if option == "history_tokens" and "history" in drafter_options:
+                continue  # a history of the caller's own
+            drafter_options.setdefault(option, value)
     return host_options.build_drafter(opts.drafter, drafter_options, opts.where, VLLM_FIXED, "vLLM",
                                       "vLLM does not hand to a custom_class proposer")
