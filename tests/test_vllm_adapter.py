@@ -394,3 +394,19 @@ def test_serving_bench_workloads_option(tmp_path, capsys):
     assert [len(workloads["spec-bench"][c]) for c in (1, 2)] == [2, 2]
     phases = [[tuple(ids) for _, ids in workloads["spec-bench"][c]] for c in (1, 2)]
     assert len(set(phases[0] + phases[1])) == 4  # four different prompts, none in both phases
+
+
+def test_serving_bench_refuses_suffix_without_arctic_inference(monkeypatch, capsys, tmp_path):
+    """vLLM's suffix method needs arctic-inference: without it the run stops before any engine starts (not
+    after the engines before it have run), naming the method and the fix."""
+    import importlib.util
+
+    from freespec.integrations.vllm import bench
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "arctic_inference" else real(name, *args))
+    with pytest.raises(SystemExit):
+        bench.main(["--methods", "vanilla,suffix,freespec", "--out", str(tmp_path / "unused")])
+    assert "suffix is vLLM's SuffixDecoding, which needs arctic-inference" in capsys.readouterr().err
+    assert not (tmp_path / "unused").exists()

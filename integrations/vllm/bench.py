@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import importlib.util
 import os
 import subprocess
 import sys
@@ -497,6 +498,9 @@ def main(argv=None) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         parser.error(f"--methods: unknown {unknown}; known: {', '.join(METHODS)}")
+    if "suffix" in methods and importlib.util.find_spec("arctic_inference") is None:
+        parser.error("--methods: suffix is vLLM's SuffixDecoding, which needs arctic-inference in this environment "
+                     "(pip install arctic-inference); drop suffix from --methods or install it")
     if "vanilla" not in methods:
         parser.error(f"--methods must include vanilla (plain vLLM): every speedup and the identity of outputs are "
                      f"measured against it; got {args.methods!r}")
