@@ -494,6 +494,10 @@ def main(argv=None) -> int:
         print(json.dumps(soak(str(models.local_dir(args.model)), args.soak, 16, out, args.spec_bench_path),
                          indent=1))
         return 0
+    counts = {"code-edit": args.code_edit, "spec-bench": args.spec_bench}
+    workloads = args.workloads.split(",")
+    if set(workloads) - set(counts) or len(set(workloads)) < len(workloads):
+        parser.error(f"--workloads: expected some of code-edit,spec-bench separated by commas, got {args.workloads!r}")
     methods = args.methods.split(",")
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -504,10 +508,6 @@ def main(argv=None) -> int:
     if "vanilla" not in methods:
         parser.error(f"--methods must include vanilla (plain vLLM): every speedup and the identity of outputs are "
                      f"measured against it; got {args.methods!r}")
-    counts = {"code-edit": args.code_edit, "spec-bench": args.spec_bench}
-    workloads = args.workloads.split(",")
-    if set(workloads) - set(counts) or len(set(workloads)) < len(workloads):
-        parser.error(f"--workloads: expected some of code-edit,spec-bench separated by commas, got {args.workloads!r}")
     counts = {workload: count for workload, count in counts.items() if workload in workloads}
     from freespec import models
 
