@@ -257,22 +257,47 @@ def test_cost_model_prior_until_measured_and_monotone():
     assert np.all(np.diff(curve) >= 0) and curve[0] == 1.0
 
 
-def test_cost_model_keeps_its_curve_only_while_a_recompute_would_give_the_same():
-    """``add`` keeps the cached curve when a pinned width's median does not move (a simulated machine charges
-    the same time each forward); after every add it equals a curve recomputed from scratch."""
+def test_cost_model_redraws_its_curve_once_a_pinned_median_moves_more_than_redraw():
+    """``add`` keeps the cached curve while every pinned width's median stays within ``REDRAW`` (1%) of the one
+    the curve was drawn from, so up to the last pinned width the kept curve is within 2% of a curve drawn from
+    scratch (a width's median and width 1's each within 1%); a median moved further, or a width pinned, redraws."""
+    model = CostModel(window=8)
+    for _ in range(3):
+        model.add(1, 0.100)
+        model.add(9, 0.200)
+    drawn = model.curve_list()
+    assert drawn[8] == pytest.approx(2.0)
+    for _ in range(3):  # the median 0.200, 0.200, 0.2015: within 1% of 0.200, the same curve
+        model.add(9, 0.203)
+        assert model.curve_list() is drawn
+    model.add(9, 0.203)  # 0.203, 1.5% from 0.200: redrawn
+    assert model.curve_list() is not drawn and model.curve_list()[8] == pytest.approx(2.03)
+    drawn = model.curve_list()
+    for expected in (0.100, 0.100, 0.095):  # width 1's median: 0.100 kept, 5% lower redrawn
+        model.add(1, 0.090)
+        assert (model.curve_list() is drawn) == (expected == 0.100)
+    assert model.curve_list()[8] == pytest.approx(0.203 / 0.095)
+    drawn = model.curve_list()
+    model.add(5, 0.15)  # a width not pinned (its forwards, or its group's pooled ones, may pin it): redrawn
+    assert model.curve_list() is not drawn
+
     rng = np.random.default_rng(3)
     model = CostModel(window=8)
-    kept = 0
+    kept = redrawn = 0
     for step in range(600):
         width = int(rng.choice([1, 2, 5, 16, 17, 23, 40]))
-        forward_s = 0.1 * (1 + width / 50) * (1 if rng.random() < 0.7 else float(rng.uniform(0.9, 1.1)))
-        before = model._curve
+        forward_s = 0.1 * (1 + width / 50) * float(rng.normal(1.0, 0.01 if rng.random() < 0.8 else 0.05))
+        before = model._curve_list
         model.add(width, forward_s)
-        kept += model._curve is not None and model._curve is before
-        cached = model.curve().copy()
-        model._curve = None
-        np.testing.assert_array_equal(cached, model.curve(), err_msg=f"step {step}, width {width}")
-    assert kept > 100  # the cache was kept, not only rebuilt
+        cached = model.curve_list()
+        kept += cached is before
+        redrawn += before is not None and cached is not before
+        fresh = CostModel(window=8)
+        fresh._times, fresh._medians = model._times, model._medians
+        last = max(fresh._known_points()[0])
+        np.testing.assert_allclose(cached[:last + 1], fresh.curve_list()[:last + 1], rtol=0.021,
+                                   err_msg=f"step {step}, width {width}")
+    assert kept > 200 and redrawn > 20  # the cache was kept, and redrawn when a median moved
 
 
 def test_calibration_learns_synthetic_outcomes():

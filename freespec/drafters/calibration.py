@@ -54,12 +54,17 @@ class CostModel:
     sizer tries it only where that pays, and a step (17 after 16) is found by the
     forwards that cross it. The curve is made non-decreasing and extrapolated past
     ``MAX_WIDTH``; forwards of more than ``MAX_WIDTH`` tokens (prefills) are ignored.
+    The curve is drawn when asked for after a change that matters: a width pinned (or
+    added to a pool), or a pinned width's median moved by more than ``REDRAW`` (1%) from
+    the median the curve was drawn from; each forward moves some median a little, and
+    drawing the curve again for that cost up to a third of a vLLM ``propose()`` step.
 
     ``CostModel().cost(9) == 1.24`` before any measurement.
     """
 
     MAX_WIDTH = 129  # the root and 128 nodes (the default budget feeds 65 at most)
     OPTIMISTIC_UP_TO = 8
+    REDRAW = 0.01  # the curve is drawn again once a pinned width's median moves by more than this fraction
     # widths GROUPS[g] + 1 .. GROUPS[g + 1] pool (see _known_points); 65, the default budget's widest, alone
     GROUPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 65, 96, 128, 129)
 
@@ -80,15 +85,22 @@ class CostModel:
         self._curve: np.ndarray | None = None  # the same as an array, made when asked for
         self._base_s: float | None = None  # the 1-token time the cached curve divides by
         self._known_at: list[int] = []  # indices of the widths the cached curve is pinned at
+        self._drawn_medians: list[float] = []  # [width - 1]: the medians the cached curve was drawn from
 
     def add(self, num_tokens_fed: int, forward_s: float) -> None:
         if num_tokens_fed < 1 or num_tokens_fed > self.MAX_WIDTH or not forward_s > 0 or math.isinf(forward_s):
             return
-        times = self._times[num_tokens_fed - 1]
-        was_pinned, old_median = len(times) >= self.min_samples, self._medians[num_tokens_fed - 1]
+        index = num_tokens_fed - 1
+        times = self._times[index]
+        was_pinned = len(times) >= self.min_samples
         times.append(float(forward_s))
-        median = self._medians[num_tokens_fed - 1] = statistics.median(times)  # 50x faster than np.median on 32
-        if not (was_pinned and median == old_median):  # a pinned width's unchanged median leaves the curve as it is
+        median = self._medians[index] = statistics.median(times)  # 50x faster than np.median on 32
+        if self._curve_list is None:
+            return
+        # a width pinned when the curve was drawn (it has been since: pinning one redraws the curve) whose median
+        # stays within REDRAW of the median the curve used, while width 1 is pinned too, leaves the curve as it is
+        drawn = self._drawn_medians[index]
+        if not (was_pinned and len(self._times[0]) >= self.min_samples and abs(median - drawn) <= self.REDRAW * drawn):
             self._curve_list = self._curve = None
 
     def prior(self, num_tokens: float) -> float:
@@ -113,6 +125,7 @@ class CostModel:
         return self._curve_list
 
     def _compute_curve(self) -> list[float]:
+        self._drawn_medians = self._medians.tolist()
         prior = self._prior_list
         base_s = self._base_s = self._one_token_s()
         self._known_at = []
