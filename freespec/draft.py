@@ -276,21 +276,8 @@ class Draft:
 
     def best_path(self) -> list[int]:
         """The nodes of ``best_chain``, root first: one pass over the nodes (ties: the first child)."""
-        parents = self.parents.tolist()
-        confidence = self.confidence.tolist() if self.confidence is not None else None
-        is_candidate = self.is_candidate.tolist() if self.is_candidate is not None else None
-        best: dict[int, int] = {}  # parent -> its most confident candidate child
-        for node, parent in enumerate(parents):
-            if is_candidate is not None and not is_candidate[node]:
-                continue
-            current = best.get(parent)
-            if current is None or (confidence is not None and confidence[node] > confidence[current]):
-                best[parent] = node
-        path, node = [], best.get(-1)
-        while node is not None:
-            path.append(node)
-            node = best.get(node)
-        return path
+        return best_path(self.parents.tolist(), self.confidence.tolist() if self.confidence is not None else None,
+                         self.is_candidate.tolist() if self.is_candidate is not None else None)
 
     def node_paths(self) -> list[tuple[int, ...]]:
         """Token path from the root to every node: ``[-1, 0, 0] with tokens [5, 6, 8] -> [(5,), (5, 6), (5, 8)]``."""
@@ -312,6 +299,23 @@ class Draft:
                 node = int(self.parents[node])
             out.append(path[::-1])
         return out
+
+
+def best_path(parents: list[int], confidence: list[float] | None = None,
+              is_candidate: list[bool] | None = None) -> list[int]:
+    """``Draft.best_path`` from a draft's arrays as lists (for callers that hold them already)."""
+    best: dict[int, int] = {}  # parent -> its most confident candidate child
+    for node, parent in enumerate(parents):
+        if is_candidate is not None and not is_candidate[node]:
+            continue
+        current = best.get(parent)
+        if current is None or (confidence is not None and confidence[node] > confidence[current]):
+            best[parent] = node
+    path, node = [], best.get(-1)
+    while node is not None:
+        path.append(node)
+        node = best.get(node)
+    return path
 
 
 def merge(drafts: Sequence[Draft], num_nodes: int | None = None) -> Draft:

@@ -230,6 +230,55 @@ def test_a_host_that_verifies_one_chain_gets_its_best_path_sized():
     assert draft.token_ids.tolist() == _true_next(draft.num_nodes).tolist()
 
 
+def test_chain_sizing_is_the_sorted_path_sizing():
+    """Under Budget(chain=True) the sizer reads the best path as it stands when its probabilities never rise (the
+    sort would not move it) and sorts it when they do: on random trees both give what sorting always gives."""
+    rng = np.random.default_rng(3)
+    for case in range(300):
+        n = int(rng.integers(1, 12))
+        parents = np.array([int(rng.integers(-1, i)) for i in range(n)], np.int32)
+        confidence = rng.random(n).astype(np.float32)
+        if case % 2:  # a calibrated tree: a child never above its parent
+            for i in range(n):
+                if parents[i] >= 0:
+                    confidence[i] *= confidence[parents[i]]
+        tree = Draft(np.arange(100, 100 + n), parents, confidence)
+        budget = Budget(int(rng.integers(0, 12)), int(rng.integers(1, 12)), int(rng.integers(1, 9)), chain=True)
+        sizer = DraftSizer()
+        for width in (1, 2, 4, 8):
+            sizer.on_forward(ForwardReport(("r",), (width,), 0.01 * (1 + 0.2 * (width - 1))))
+        chosen, keep, _ = sizer.select_nodes("r", tree, [("k", i) for i in range(n)], budget)
+        path = [i for i in tree.best_path() if tree.depths()[i] <= budget.max_depth]
+        order = sorted(path, key=lambda i: (-float(confidence[i]), i))
+        _, num_nodes = sizer._best([float(confidence[i]) for i in order], budget, ((0, 0.0),))
+        assert keep == sorted(order[:num_nodes])
+        assert chosen.token_ids.tolist() == [100 + i for i in keep]
+        if case % 2:  # a path that never gains confidence: the choice is its first nodes, a chain
+            assert chosen.parents.tolist() == list(range(-1, len(keep) - 1))
+        assert sizer._pending.get("r", (None, []))[1] == [("k", i) for i in keep]
+
+
+def test_calibrated_trees_keep_their_depths():
+    """calibrate_lookup hands the sizer its tree with the depths its walk found (node_depths' values) and each
+    node's ``calibrator.kind``."""
+    from freespec.drafters.calibration import calibrate_lookup
+    from freespec.tree import node_depths
+
+    rng = np.random.default_rng(4)
+    for _ in range(50):
+        n = int(rng.integers(1, 16))
+        parents = np.array([int(rng.integers(-1, i)) for i in range(n)], np.int32)
+        raw = rng.random(n).astype(np.float32)
+        calibrator, match_len = AcceptanceCalibrator(), int(rng.integers(0, 6))
+        scored, kinds = calibrate_lookup(calibrator, "suffix", match_len, Draft(np.arange(n), parents, raw))
+        depths = node_depths(parents).tolist()
+        assert scored.depths().tolist() == depths
+        raw = raw.tolist()
+        assert kinds == [calibrator.kind("suffix", match_len, depths[i], raw[i] / (raw[p] if p >= 0 else 1.0))
+                         for i, p in enumerate(parents.tolist())]  # the kinds calibrator.kind names
+        assert all(scored.confidence[i] <= scored.confidence[p] for i, p in enumerate(parents.tolist()) if p >= 0)
+
+
 def test_cost_model_pools_scattered_widths_in_their_group():
     model = CostModel()
     for _ in range(3):

@@ -13,7 +13,7 @@ from freespec.draft import Budget
 from freespec.drafters import make
 from freespec.drafters.suffix import RequestHistory, SuffixDrafter
 from freespec.kernels.suffix_automaton import SuffixAutomaton
-from freespec.kernels.suffix_continuations import continuation_tree
+from freespec.kernels.suffix_continuations import continuation_tree, state_continuations
 from freespec.kernels.suffix_match import advance_match, occurrence_ends
 
 import naive
@@ -91,6 +91,27 @@ def test_kernel_continuation_tree(case, pattern_len, num_nodes, max_depth, min_p
     want = naive.naive_continuation_tree(text, ends, max_depth, num_nodes, min_prob) if ends else ([], [], [])
     assert token_ids.tolist() == want[0] and parents.tolist() == want[1]
     np.testing.assert_allclose(scores, want[2], rtol=1e-6)
+
+
+@FAST
+@given(st.lists(texts(max_len=15), min_size=1, max_size=3), texts(max_len=20), st.integers(1, 8), st.integers(0, 12),
+       st.integers(1, 6), st.sampled_from([0.0, 0.2, 0.5]))
+def test_kernel_state_continuations_is_ends_then_tree(docs, query, max_ends, num_nodes, max_depth, min_prob):
+    """The fused kernel drafters run: ``continuation_tree`` over ``occurrence_ends``, separators included."""
+    automaton = SuffixAutomaton(capacity=1)
+    for doc, _ in docs:
+        automaton.extend(doc)
+        automaton.add_separator()
+    state, match_len = advance_match(automaton, 0, 0, query[0])
+    if not match_len:
+        return
+    ends = occurrence_ends(automaton, state, max_ends)
+    want = continuation_tree(automaton.tokens(), ends, max_depth, num_nodes, min_prob)
+    got = state_continuations(automaton, state, max_ends, max_depth, num_nodes, min_prob)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.tolist() == b.tolist()
+    with pytest.raises(ValueError, match="non-root state"):
+        state_continuations(automaton, 0, max_ends, max_depth, num_nodes, min_prob)
 
 
 def test_kernel_grows_with_a_large_vocabulary():

@@ -23,7 +23,7 @@ from typing import Hashable
 
 import numpy as np
 
-from ..draft import Budget, Draft
+from ..draft import Budget, Draft, best_path
 from .options import check_bool, check_int, check_number
 
 
@@ -475,18 +475,25 @@ class AcceptanceCalibrator:
         if prior is not None:
             self._given[kind] = prior
         if self._memo_clock != self.clock:
-            self._forget_memo()
+            self._memo.clear()
+            self._scales.clear()
             self._memo_clock = self.clock
         key = (kind, prior)
         found = self._memo.get(key)
-        if found is None:
-            base = self.prior(kind) if prior is None else prior
-            accepted, seen = self._faded(kind)
-            scale = self._scales.get(kind[0])
-            if scale is None:
-                scale = self._scales[kind[0]] = self.scale(kind[0])
-            base = min(0.95, base * scale)
-            found = self._memo[key] = (accepted + self.prior_strength * base) / (seen + self.prior_strength)
+        if found is not None:
+            return found
+        base = self.prior(kind) if prior is None else prior
+        scale = self._scales.get(kind[0])
+        if scale is None:
+            scale = self._scales[kind[0]] = self.scale(kind[0])
+        base = min(0.95, base * scale)
+        counts = self._counts.get(kind)
+        if counts is None:  # never judged: the prior alone
+            found = (0.0 + self.prior_strength * base) / (0.0 + self.prior_strength)
+        else:
+            fade = 0.5 ** ((self.clock - counts[2]) / self.half_life)
+            found = (counts[0] * fade + self.prior_strength * base) / (counts[1] * fade + self.prior_strength)
+        self._memo[key] = found
         return found
 
     def _forget_memo(self) -> None:
@@ -510,12 +517,23 @@ class AcceptanceCalibrator:
         return out
 
     def update(self, kind: tuple, accepted: bool) -> None:
-        self._forget_memo()
-        old_accepted, old_seen = self._faded(kind)
-        self._counts[kind] = [old_accepted + float(accepted), old_seen + 1.0, self.clock]
+        if self._memo or self._scales:
+            self._memo.clear()
+            self._scales.clear()
+        clock, half_life, accepted = self.clock, self.half_life, float(accepted)
+        old = self._counts.get(kind)
+        if old is None:
+            self._counts[kind] = [accepted, 1.0, clock]
+        else:
+            fade = 0.5 ** ((clock - old[2]) / half_life)
+            self._counts[kind] = [old[0] * fade + accepted, old[1] * fade + 1.0, clock]
         prior = self._given[kind] if kind in self._given else self.prior(kind)
-        pool_accepted, pool_expected = self._faded(kind[0], self._pools)
-        self._pools[kind[0]] = [pool_accepted + float(accepted), pool_expected + prior, self.clock]
+        pool = self._pools.get(kind[0])
+        if pool is None:
+            self._pools[kind[0]] = [accepted, prior, clock]
+        else:
+            fade = 0.5 ** ((clock - pool[2]) / half_life)
+            self._pools[kind[0]] = [pool[0] * fade + accepted, pool[1] * fade + prior, clock]
 
     def tick(self) -> None:
         """One more step judged (``update`` calls of one step share a tick)."""
@@ -531,13 +549,15 @@ class AcceptanceCalibrator:
         """
         committed = np.asarray(committed).tolist()
         self.tick()
-        accepted = [False] * draft.num_nodes
-        depths = draft.depths().tolist()
-        is_candidate = [True] * draft.num_nodes if draft.is_candidate is None else draft.is_candidate.tolist()
+        num_nodes, num_committed = draft.num_nodes, len(committed)
+        accepted, depths = [False] * num_nodes, [0] * num_nodes
+        is_candidate = None if draft.is_candidate is None else draft.is_candidate.tolist()
         for i, (parent, token) in enumerate(zip(draft.parents.tolist(), draft.token_ids.tolist())):
-            if not is_candidate[i] or (parent >= 0 and not accepted[parent]) or depths[i] > len(committed):
+            depths[i] = depth = 1 if parent < 0 else depths[parent] + 1  # topological: the parent's comes first
+            if (is_candidate is not None and not is_candidate[i]) or (parent >= 0 and not accepted[parent]) \
+                    or depth > num_committed:
                 continue
-            accepted[i] = committed[depths[i] - 1] == token
+            accepted[i] = committed[depth - 1] == token
             self.update(kinds[i], accepted[i])
 
 
@@ -550,20 +570,31 @@ def calibrate_lookup(calibrator: AcceptanceCalibrator, source: str, match_len: i
     its frequency over its parent's)`` and its path probability the product of
     its kinds' probabilities along the path. Sources are labelled ``source``.
     """
-    raw = [1.0] * draft.num_nodes if draft.confidence is None else draft.confidence.tolist()
-    path_probs: list[float] = []
-    kinds = []
+    num_nodes = draft.num_nodes
+    raw = [1.0] * num_nodes if draft.confidence is None else draft.confidence.tolist()
+    depths, path_probs, kinds = [0] * num_nodes, [0.0] * num_nodes, [None] * num_nodes
     probability_of: dict[tuple, float] = {}  # kind -> its probability (a tree has few kinds; counts stay put here)
-    for i, (parent, depth) in enumerate(zip(draft.parents.tolist(), draft.depths().tolist())):
-        parent_raw = 1.0 if parent < 0 else raw[parent]
-        frequency = raw[i] / parent_raw if parent_raw > 0 else 0.0
-        kind = calibrator.kind(source, match_len, depth, frequency)
+    probability_for = calibrator.probability
+    match_edges, freq_edges = calibrator.MATCH_EDGES, calibrator.FREQ_EDGES
+    for i, parent in enumerate(draft.parents.tolist()):  # topological: a parent's depth and path come first
+        if parent < 0:
+            depth, frequency, above = 1, raw[i], 1.0
+        else:
+            parent_raw = raw[parent]
+            depth, above = depths[parent] + 1, path_probs[parent]
+            frequency = raw[i] / parent_raw if parent_raw > 0 else 0.0
+        kind = (source, bisect.bisect_right(match_edges, match_len + depth - 1 if match_len > 0 else 0),
+                bisect.bisect_left(freq_edges, frequency))  # calibrator.kind(source, match_len, depth, frequency)
         probability = probability_of.get(kind)
         if probability is None:
-            probability = probability_of[kind] = calibrator.probability(kind)
-        kinds.append(kind)
-        path_probs.append(probability * (1.0 if parent < 0 else path_probs[parent]))
-    return draft.rescored(np.asarray(path_probs, np.float32), (source,) * draft.num_nodes), kinds
+            probability = probability_of[kind] = probability_for(kind)
+        depths[i], kinds[i], path_probs[i] = depth, kind, probability * above
+    scored = draft.rescored(np.asarray(path_probs, np.float32), (source,) * num_nodes)
+    if "_depths" not in scored.__dict__:  # the walk above has them: spare the draft its depth kernel
+        known = np.asarray(depths, np.int64)
+        known.flags.writeable = False
+        object.__setattr__(scored, "_depths", known)
+    return scored, kinds
 
 
 class DraftSizer:
@@ -655,11 +686,20 @@ class DraftSizer:
         if draft.num_nodes == 0:
             return Draft.empty(), [], self._best([], budget, extras)[0]
         confidence = draft.confidence.tolist()
-        depths = draft.depths().tolist()
         # best first; ties: parents (lower index) first; a host that verifies one chain gets the best path's nodes
-        nodes = draft.best_path() if budget.chain else range(draft.num_nodes)
-        order = sorted((i for i in nodes if depths[i] <= budget.max_depth), key=lambda i: (-confidence[i], i))
-        option, num_nodes = self._best([confidence[i] for i in order], budget, extras)
+        if budget.chain:  # the path's first max_depth nodes (depths 1, 2, ...), best first as they stand unless a
+            order = best_path(draft.parents.tolist(), confidence,  # node outscores its parent (never, calibrated)
+                              None if draft.is_candidate is None else draft.is_candidate.tolist())[:budget.max_depth]
+            probs = [confidence[i] for i in order]
+            if any(above < below for above, below in zip(probs, probs[1:])):
+                order = sorted(order, key=lambda i: (-confidence[i], i))
+                probs = [confidence[i] for i in order]
+        else:
+            depths = draft.depths().tolist()
+            order = sorted((i for i in range(draft.num_nodes) if depths[i] <= budget.max_depth),
+                           key=lambda i: (-confidence[i], i))
+            probs = [confidence[i] for i in order]
+        option, num_nodes = self._best(probs, budget, extras)
         if num_nodes == 0:
             return Draft.empty(), [], option
         keep = sorted(order[:num_nodes])  # parents sort before children

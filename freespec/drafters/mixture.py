@@ -286,11 +286,13 @@ class MixtureDrafter(Drafter):
         (recycling's and the pool's only where ``flat``)."""
         lookups = self._source_drafts(request_id, budget)
         scored = [calibrate_lookup(self.calibrator, *source) for source in lookups]
-        root = int(self.context(request_id)[-1])
+        if not flat:  # the sources that read the model run only where verification is nearly flat
+            return [(draft, kinds) for draft, kinds in scored if draft.num_nodes]
         longest = max((match_len for _, match_len, _ in lookups), default=0)
-        if self.recycle is not None and (self.recycle_below == 0 or longest < self.recycle_below) and flat:
+        if self.recycle is not None and (self.recycle_below == 0 or longest < self.recycle_below):
             scored.append(self.recycle.draft(request_id, self.context(request_id), budget, self.calibrator))
-        if self.lookahead is not None and flat:
+        if self.lookahead is not None:
+            root = int(self.context(request_id)[-1])
             scored.append(calibrate_lookup(self.calibrator, "lookahead", 1,
                                            self.lookahead.candidates(request_id, root, budget)))
         return [(draft, kinds) for draft, kinds in scored if draft.num_nodes]

@@ -23,8 +23,8 @@ import numpy as np
 
 from ..draft import Budget, Draft, merge
 from ..kernels.suffix_automaton import SuffixAutomaton
-from ..kernels.suffix_continuations import continuation_tree
-from ..kernels.suffix_match import advance_match, occurrence_ends
+from ..kernels.suffix_continuations import state_continuations
+from ..kernels.suffix_match import advance_match
 from .base import Drafter, Lockable, as_token_array, exercise
 from .options import check_bool, check_instance, check_int, check_number
 
@@ -186,8 +186,8 @@ class SuffixSource:
         """``(source, match_len, draft)`` of what followed the match's occurrences, or None."""
         if match_len < self.min_match:
             return None
-        ends = occurrence_ends(automaton, state, self.max_occurrences)
-        token_ids, parents, confidence = continuation_tree(automaton.tokens(), ends, depth, num_nodes, self.min_prob)
+        token_ids, parents, confidence = state_continuations(automaton, state, self.max_occurrences, depth, num_nodes,
+                                                            self.min_prob)
         if not token_ids.size:
             return None
         return source, match_len, Draft(token_ids, parents, confidence, (source,) * token_ids.size)

@@ -216,8 +216,14 @@ class SuffixAutomaton:
         ids = np.asarray(ids)
         if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
             raise ValueError(f"ids must be a 1-D sequence of integer token ids, got {ids.dtype} {ids.shape}")
-        if ids.size and (ids.min() < 0 or (ids.dtype != np.int32 and ids.max() > _INT32_MAX)):
-            raise ValueError("ids holds token ids outside [0, 2**31)")
+        if ids.size:
+            if ids.size <= 64:  # a step's few tokens: Python's min and max cost less than two numpy reductions
+                values = ids.tolist()
+                low, high = min(values), max(values)
+            else:
+                low, high = ids.min(), (ids.max() if ids.dtype != np.int32 else 0)
+            if low < 0 or high > _INT32_MAX:
+                raise ValueError("ids holds token ids outside [0, 2**31)")
         self._append(np.ascontiguousarray(ids, dtype=np.int32))
 
     def add_separator(self) -> None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from .suffix_match import _collect_ends
+
 # rows of the scratch ``trie`` [6, capacity]; node 0 is the root
 TOKEN, PARENT, COUNT, FIRST_CHILD, NEXT_SIBLING, DEPTH = 0, 1, 2, 3, 4, 5
 
@@ -96,4 +98,36 @@ def continuation_tree(text, ends, max_depth: int, num_nodes: int, min_prob: floa
     trie = np.empty((6, 1 + ends.size * max_depth), np.int32)
     kept = _continuation_tree(text, text.shape[0], ends, max_depth, num_nodes, float(min_prob), trie,
                               out_token_ids, out_parents, out_scores)
+    return out_token_ids[:kept], out_parents[:kept], out_scores[:kept]
+
+
+@numba.njit(cache=True)
+def _state_continuations(states, text, text_len, state, max_ends, max_depth, num_nodes, min_prob,
+                         out_token_ids, out_parents, out_scores):
+    ends = np.empty(max_ends, np.int64)
+    num_ends = _collect_ends(states, text, text_len, state, max_ends, ends)
+    if num_ends == 0:
+        return 0
+    trie = np.empty((6, 1 + num_ends * max_depth), np.int32)
+    return _continuation_tree(text, text_len, ends[:num_ends], max_depth, num_nodes, min_prob, trie,
+                              out_token_ids, out_parents, out_scores)
+
+
+def state_continuations(automaton, state: int, max_ends: int, max_depth: int, num_nodes: int,
+                        min_prob: float = 0.0):
+    """``continuation_tree(automaton.tokens(), occurrence_ends(automaton, state, max_ends), max_depth, num_nodes,
+    min_prob)`` in one kernel call: what a drafter runs every step (the ends never leave the kernel, and the
+    automaton's own text needs none of ``continuation_tree``'s checks)."""
+    if not 0 < state < automaton.num_states:
+        raise ValueError(f"state {state} is not a non-root state of this automaton")
+    if max_ends < 1 or max_depth < 0 or num_nodes < 0 or not 0.0 <= min_prob <= 1.0:
+        raise ValueError(f"need max_ends >= 1, max_depth >= 0, num_nodes >= 0 and min_prob in [0, 1], got "
+                         f"{max_ends}, {max_depth}, {num_nodes}, {min_prob}")
+    out_token_ids = np.empty(num_nodes, np.int64)
+    out_parents = np.empty(num_nodes, np.int32)
+    out_scores = np.empty(num_nodes, np.float32)
+    if num_nodes == 0 or max_depth == 0:
+        return out_token_ids, out_parents, out_scores
+    kept = _state_continuations(automaton.states, automaton.text, automaton.num_tokens, state, max_ends, max_depth,
+                                num_nodes, float(min_prob), out_token_ids, out_parents, out_scores)
     return out_token_ids[:kept], out_parents[:kept], out_scores[:kept]

@@ -171,9 +171,10 @@ class Proposer:
         budget_rows = max(1, len(rows))
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         fed_ids, fed_tokens = [], []
+        num_tokens_of = np.asarray(num_tokens_no_spec[:len(sampled_token_ids)]).tolist()
         for i in rows:
             req_id = req_ids[i]
-            num_tokens = int(num_tokens_no_spec[i])
+            num_tokens = num_tokens_of[i]
             try:
                 drafts[i] = self._draft_row(req_id, i, len(sampled_token_ids[i]), num_tokens, token_ids_cpu,
                                             budget_rows)
@@ -196,8 +197,11 @@ class Proposer:
         draft = self.drafter.propose(req_id, self._budget(max_depth, batch_size))
         if draft.num_nodes == 0:
             return []
-        ids = draft.token_ids.tolist()
-        chain = [ids[node] for node in draft.best_path()[:max_depth]]
+        ids, parents = draft.token_ids.tolist(), draft.parents.tolist()
+        if draft.is_candidate is None and parents == list(range(-1, len(parents) - 1)):  # a chain already (the sizer's, under Budget.chain)
+            chain = ids[:max_depth]
+        else:
+            chain = [ids[node] for node in draft.best_path()[:max_depth]]
         if max(chain) >= self.vocab_size:  # never an id outside the vocabulary: stop before the first
             chain = chain[:next(i for i, token in enumerate(chain) if token >= self.vocab_size)]
         return chain
