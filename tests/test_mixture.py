@@ -1,5 +1,7 @@
 """MixtureDrafter: validity, dedup and attribution, cost model, calibration, gating, isolation, recycling, lookahead."""
 
+import statistics
+
 import numpy as np
 import pytest
 
@@ -294,6 +296,60 @@ def test_cost_model_pools_scattered_widths_in_their_group():
         steep.add(1, 0.1), steep.add(2, 0.3), steep.add(8, 0.9)
     assert steep.cost(7) == pytest.approx(8.0) and steep.cost(5) == pytest.approx(3.0)
     assert steep.cost(20) == pytest.approx(9.0 + 8.0 / 7 * 12)  # past the last width: the mean slope
+
+
+def _reference_known_points(model: CostModel) -> tuple[list[int], list[float]]:
+    """The twin of ``CostModel._known_points``: every group of ``GROUPS`` in turn, every width of it."""
+    counts = [len(times) for times in model._times]
+    medians = model._medians.tolist()
+    known_at, known_s = [0], [medians[0] if counts[0] else np.nan]
+    for lo, hi in zip(model.GROUPS, model.GROUPS[1:]):  # widths lo + 1 .. hi, indices lo .. hi - 1
+        own = [i for i in range(lo, hi) if counts[i] >= model.min_samples]
+        if own:
+            known_at += own
+            known_s += [medians[i] for i in own]
+        elif sum(counts[lo:hi]) >= model.min_samples:
+            pooled = [(t, i) for i in range(lo, hi) for t in model._times[i]]
+            known_at.append(int(statistics.median([i for _, i in pooled])))
+            known_s.append(statistics.median(t for t, _ in pooled))
+    return known_at, known_s
+
+
+def _reference_curve(model: CostModel) -> list[float]:
+    """The curve as numpy draws it (np.interp between the pinned widths, np.maximum.accumulate): the twin of
+    ``CostModel._compute_curve``."""
+    prior = 1.0 + model.prior_slope * (np.arange(1, model.MAX_WIDTH + 1) - 1.0)
+    base_s = model._one_token_s()
+    if base_s is None:
+        return np.maximum.accumulate(prior).tolist()
+    known_at, known_s = _reference_known_points(model)
+    got_at, got_s = model._known_points()
+    assert got_at == known_at and np.array_equal(got_s, known_s, equal_nan=True)
+    known = np.maximum(1.0, np.asarray(known_s) / base_s)
+    known[0] = 1.0
+    curve = np.interp(np.arange(model.MAX_WIDTH, dtype=np.float64), np.asarray(known_at, np.float64),
+                      np.maximum.accumulate(known))
+    last, highest = known_at[-1], float(known.max())
+    slope = (highest - 1.0) / last if last > 0 else model.prior_slope
+    curve[last + 1:] = highest + slope * (np.arange(last + 1, model.MAX_WIDTH) - last).astype(np.float64)
+    explored = {model._group[i] for i in known_at}
+    for i in range(model.OPTIMISTIC_UP_TO):
+        if model._group[i] not in explored:
+            curve[i] = min(curve[i], prior[i])
+    curve[known_at] = known
+    return np.maximum.accumulate(curve).tolist()
+
+
+def test_cost_model_curve_is_numpys_bit_for_bit():
+    rng = np.random.default_rng(11)
+    for case in range(300):
+        model = CostModel(prior_slope=float(rng.choice([0.0, 0.03, 0.2])), window=8,
+                          min_samples=int(rng.integers(1, 4)))
+        widths = rng.choice(np.arange(1 + (case % 3 == 0), 130), size=int(rng.integers(1, 12)))
+        for _ in range(int(rng.integers(0, 60))):
+            width = int(rng.choice(widths))
+            model.add(width, 0.01 * (1 + width * float(rng.random())) * float(rng.normal(1.0, 0.05)))
+        assert model.curve_list() == _reference_curve(model)
 
 
 def test_cost_model_prior_until_measured_and_monotone():

@@ -184,10 +184,14 @@ def encode_text(text: str, tokenizer) -> np.ndarray:
 
 
 def exercise(drafter: "Drafter") -> None:
-    """Run two tiny requests through ``drafter`` (compiles its kernels; see ``warmup``)."""
+    """Run two tiny requests through ``drafter`` (compiles its kernels, or loads them from numba's cache; see
+    ``warmup``). The first outgrows its arrays, so the kernels that grow them load here too, not at a served
+    request's first growth (loading one took milliseconds, mid-step, in vLLM's ``propose()``)."""
     drafter.start("warmup", [1, 2, 3, 1, 2])
     drafter.propose("warmup", Budget(4, 4))
     drafter.extend("warmup", [3])
+    drafter.propose("warmup", Budget(4, 4))
+    drafter.extend("warmup", list(range(4, 68)))
     drafter.stop("warmup")
     drafter.start("warmup", [1, 2])
     drafter.propose("warmup", Budget(4, 4))

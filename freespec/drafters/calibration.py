@@ -135,23 +135,19 @@ class CostModel:
         known = [max(1.0, seconds / base_s) for seconds in known_s]
         known[0] = 1.0
         knots = _running_max(known)
-        curve = []
-        for index in range(self.MAX_WIDTH):  # np.interp between the pinned widths, operation for operation
-            j = bisect.bisect_right(known_at, index) - 1
-            if j < 0:
-                curve.append(knots[0])
-            elif j == len(known_at) - 1 or known_at[j] == index:
-                curve.append(knots[j])
-            else:
-                slope = (knots[j + 1] - knots[j]) / float(known_at[j + 1] - known_at[j])
-                curve.append(slope * float(index - known_at[j]) + knots[j])
+        curve = []  # np.interp between the pinned widths (known_at[0] is 0, then rising), operation for operation
+        for j in range(len(known_at) - 1):
+            low, high, knot = known_at[j], known_at[j + 1], knots[j]
+            slope = (knots[j + 1] - knot) / float(high - low)
+            curve.append(knot)
+            curve += [slope * float(step) + knot for step in range(1, high - low)]
         last = known_at[-1]
         # past the last pinned width, the measured curve's mean slope (the prior's with none): on a
         # steep curve (c(2) = 3) a wide forward is not read as nearly free of the tokens it adds
         highest = max(known)
         slope = (highest - 1.0) / float(last) if last > 0 else self.prior_slope
-        for index in range(last + 1, self.MAX_WIDTH):
-            curve[index] = highest + slope * float(index - last)
+        curve.append(knots[-1])
+        curve += [highest + slope * float(step) for step in range(1, self.MAX_WIDTH - last)]
         explored = {self._group[index] for index in known_at}  # a group with a pinned width: no optimism
         for index in range(self.OPTIMISTIC_UP_TO):
             if self._group[index] not in explored:
@@ -169,16 +165,19 @@ class CostModel:
         them, pinned at their median width: scattered widths (13, 15, 14, ...) teach the curve as fast as
         one repeated width would, and no group crosses a multiple of 8 (where tile steps lie).
         """
-        counts = [len(times) for times in self._times]
-        medians = self._medians.tolist()
-        known_at, known_s = [0], [medians[0] if counts[0] else np.nan]
-        for lo, hi in zip(self.GROUPS, self.GROUPS[1:]):  # widths lo + 1 .. hi, indices lo .. hi - 1
-            own = [i for i in range(lo, hi) if counts[i] >= self.min_samples]
+        times_of, medians = self._times, self._medians
+        known_at, known_s = [0], [float(medians[0]) if times_of[0] else np.nan]
+        groups: dict[int, list[int]] = {}  # group -> its widths with forwards (indices), groups and widths rising
+        for index in np.flatnonzero(~np.isnan(medians)).tolist():
+            if index:
+                groups.setdefault(self._group[index], []).append(index)
+        for members in groups.values():  # GROUPS[g] + 1 .. GROUPS[g + 1]
+            own = [i for i in members if len(times_of[i]) >= self.min_samples]
             if own:
                 known_at += own
-                known_s += [medians[i] for i in own]
-            elif sum(counts[lo:hi]) >= self.min_samples:
-                pooled = [(t, i) for i in range(lo, hi) for t in self._times[i]]
+                known_s += [float(medians[i]) for i in own]
+            elif sum(len(times_of[i]) for i in members) >= self.min_samples:
+                pooled = [(t, i) for i in members for t in times_of[i]]
                 known_at.append(int(statistics.median([i for _, i in pooled])))
                 known_s.append(statistics.median(t for t, _ in pooled))
         return known_at, known_s
