@@ -90,6 +90,7 @@ from typing import Any, Hashable, Iterable, Mapping
 import numpy as np
 
 from ..draft import Budget, Draft
+from ..kernels import check_id_range
 
 
 @dataclass(frozen=True)
@@ -157,24 +158,14 @@ outside any vocabulary (valid input: ids go up to 2**31 - 1) cannot make state s
 allocate gigabytes. Tokens at or above it get no per-token row."""
 
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
-
-
 def as_token_array(ids, name: str) -> np.ndarray:
     """Check a 1-D sequence of non-negative token ids, return it as int32."""
     arr = np.asarray(ids)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be a 1-D sequence of token ids, got shape {arr.shape}")
-    if arr.size:
-        if arr.dtype.kind not in "iu":
-            raise ValueError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
-        if arr.size <= 64:  # a step's few tokens: Python's min and max cost less than two numpy reductions
-            values = arr.tolist()
-            low, high = min(values), max(values)
-        else:
-            low, high = arr.min(), arr.max()
-        if low < 0 or high > _INT32_MAX:
-            raise ValueError(f"{name} holds token ids outside [0, 2**31)")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
+    check_id_range(arr, name)
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 

@@ -474,8 +474,7 @@ class AcceptanceCalibrator:
         if prior is not None:
             self._given[kind] = prior
         if self._memo_clock != self.clock:
-            self._memo.clear()
-            self._scales.clear()
+            self._forget_memo()
             self._memo_clock = self.clock
         key = (kind, prior)
         found = self._memo.get(key)
@@ -486,12 +485,8 @@ class AcceptanceCalibrator:
         if scale is None:
             scale = self._scales[kind[0]] = self.scale(kind[0])
         base = min(0.95, base * scale)
-        counts = self._counts.get(kind)
-        if counts is None:  # never judged: the prior alone
-            found = (0.0 + self.prior_strength * base) / (0.0 + self.prior_strength)
-        else:
-            fade = 0.5 ** ((self.clock - counts[2]) / self.half_life)
-            found = (counts[0] * fade + self.prior_strength * base) / (counts[1] * fade + self.prior_strength)
+        accepted, seen = self._faded(kind)
+        found = (accepted + self.prior_strength * base) / (seen + self.prior_strength)
         self._memo[key] = found
         return found
 
@@ -517,22 +512,12 @@ class AcceptanceCalibrator:
 
     def update(self, kind: tuple, accepted: bool) -> None:
         if self._memo or self._scales:
-            self._memo.clear()
-            self._scales.clear()
-        clock, half_life, accepted = self.clock, self.half_life, float(accepted)
-        old = self._counts.get(kind)
-        if old is None:
-            self._counts[kind] = [accepted, 1.0, clock]
-        else:
-            fade = 0.5 ** ((clock - old[2]) / half_life)
-            self._counts[kind] = [old[0] * fade + accepted, old[1] * fade + 1.0, clock]
+            self._forget_memo()
+        old_accepted, old_seen = self._faded(kind)
+        self._counts[kind] = [old_accepted + float(accepted), old_seen + 1.0, self.clock]
         prior = self._given[kind] if kind in self._given else self.prior(kind)
-        pool = self._pools.get(kind[0])
-        if pool is None:
-            self._pools[kind[0]] = [accepted, prior, clock]
-        else:
-            fade = 0.5 ** ((clock - pool[2]) / half_life)
-            self._pools[kind[0]] = [pool[0] * fade + accepted, pool[1] * fade + prior, clock]
+        pool_accepted, pool_expected = self._faded(kind[0], self._pools)
+        self._pools[kind[0]] = [pool_accepted + float(accepted), pool_expected + prior, self.clock]
 
     def tick(self) -> None:
         """One more step judged (``update`` calls of one step share a tick)."""
@@ -574,7 +559,7 @@ def calibrate_lookup(calibrator: AcceptanceCalibrator, source: str, match_len: i
     depths, path_probs, kinds = [0] * num_nodes, [0.0] * num_nodes, [None] * num_nodes
     probability_of: dict[tuple, float] = {}  # kind -> its probability (a tree has few kinds; counts stay put here)
     probability_for = calibrator.probability
-    match_edges, freq_edges = calibrator.MATCH_EDGES, calibrator.FREQ_EDGES
+    kind_of = calibrator.kind
     for i, parent in enumerate(draft.parents.tolist()):  # topological: a parent's depth and path come first
         if parent < 0:
             depth, frequency, above = 1, raw[i], 1.0
@@ -582,8 +567,7 @@ def calibrate_lookup(calibrator: AcceptanceCalibrator, source: str, match_len: i
             parent_raw = raw[parent]
             depth, above = depths[parent] + 1, path_probs[parent]
             frequency = raw[i] / parent_raw if parent_raw > 0 else 0.0
-        kind = (source, bisect.bisect_right(match_edges, match_len + depth - 1 if match_len > 0 else 0),
-                bisect.bisect_left(freq_edges, frequency))  # calibrator.kind(source, match_len, depth, frequency)
+        kind = kind_of(source, match_len, depth, frequency)
         probability = probability_of.get(kind)
         if probability is None:
             probability = probability_of[kind] = probability_for(kind)

@@ -31,6 +31,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from . import check_id_range
+
 # rows of ``states`` [7, capacity]
 LEN, LINK, END, EDGE_HEAD, CHILD_HEAD, SIB_NEXT, SIB_PREV = 0, 1, 2, 3, 4, 5, 6
 # rows of ``edges`` [4, capacity]
@@ -38,7 +40,6 @@ SRC, TOKEN, DST, NEXT = 0, 1, 2, 3
 # entries of ``meta`` [4] int64
 NUM_STATES, NUM_EDGES, LAST, TEXT_LEN = 0, 1, 2, 3
 SEPARATOR = -1  # a token no query holds: matches never cross it
-_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @numba.njit(cache=True)
@@ -216,14 +217,7 @@ class SuffixAutomaton:
         ids = np.asarray(ids)
         if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
             raise ValueError(f"ids must be a 1-D sequence of integer token ids, got {ids.dtype} {ids.shape}")
-        if ids.size:
-            if ids.size <= 64:  # a step's few tokens: Python's min and max cost less than two numpy reductions
-                values = ids.tolist()
-                low, high = min(values), max(values)
-            else:
-                low, high = ids.min(), (ids.max() if ids.dtype != np.int32 else 0)
-            if low < 0 or high > _INT32_MAX:
-                raise ValueError("ids holds token ids outside [0, 2**31)")
+        check_id_range(ids, "ids")
         self._append(np.ascontiguousarray(ids, dtype=np.int32))
 
     def add_separator(self) -> None:

@@ -198,7 +198,8 @@ class Proposer:
         if draft.num_nodes == 0:
             return []
         ids, parents = draft.token_ids.tolist(), draft.parents.tolist()
-        if draft.is_candidate is None and parents == list(range(-1, len(parents) - 1)):  # a chain already (the sizer's, under Budget.chain)
+        # a chain already (the sizer's, under Budget.chain): read as it stands
+        if draft.is_candidate is None and parents == list(range(-1, len(parents) - 1)):
             chain = ids[:max_depth]
         else:
             chain = [ids[node] for node in draft.best_path()[:max_depth]]
