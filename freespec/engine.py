@@ -369,9 +369,11 @@ class SpeculativeDecoder:
             while active:
                 t_step, forward_before = time.perf_counter(), self.stats.forward_s
                 self._follow_model_cache_policy(active, cache, layout)
-                steps = [RowStep(row.pending, row.pending_positions,
-                                 self._timed_draft(self._propose, row, len(active), cache, layout, r))
-                         for r, row in enumerate(active)]
+                drafts = [self._timed_draft(self._propose, row, len(active), cache, layout, r)
+                          for r, row in enumerate(active)]
+                if len(active) > 1:  # one padded forward: every row pays the widest row's width
+                    drafts = self._timed_draft(self._fit_batch, active, drafts)
+                steps = [RowStep(row.pending, row.pending_positions, draft) for row, draft in zip(active, drafts)]
                 t0 = time.perf_counter()
                 logits, acceptances, observed = self._verify(active, steps, cache, layout)
                 layout.compact(cache, steps, [acceptance.cached_nodes for acceptance in acceptances], defer=True)
@@ -482,6 +484,19 @@ class SpeculativeDecoder:
                              f"outside the model's vocabulary of {self.traits.vocab_size} (from the prompt, "
                              f"documents= or the drafter's own state)")
         return draft.best_chain() if self.traits.chains_only else draft
+
+    def _fit_batch(self, active: list[Row], drafts: list[Draft]) -> list[Draft]:
+        """The drafter's joint cut of a padded batch's drafts (``Drafter.fit_batch``), checked: one per row, none
+        grown (each is checked against the budget with the forward's other inputs)."""
+        fitted = self.drafter.fit_batch([row.request_id for row in active], drafts, len(active))
+        if len(fitted) != len(drafts):
+            raise ValueError(f"drafter {self.drafter.name!r} fit_batch returned {len(fitted)} drafts for "
+                             f"{len(drafts)} rows")
+        for draft, proposed in zip(fitted, drafts):
+            if draft is not proposed and draft.num_nodes > proposed.num_nodes:
+                raise ValueError(f"drafter {self.drafter.name!r} fit_batch grew a draft from "
+                                 f"{proposed.num_nodes} to {draft.num_nodes} nodes")
+        return fitted
 
     def _verify(self, active: list[Row], steps: list[RowStep], cache, layout: KVLayout):
         """The step's forward and verification: (the model's logits [B, R, V], an Acceptance per row, the

@@ -206,3 +206,37 @@ def test_sampled_rows_have_the_target_distribution():
     tv = 0.5 * sum(abs(counts.get(k, 0) / n - v) for k, v in exact.items())
     assert tv < 0.1, f"total variation {tv:.3f}"
     assert _chi_square_p(counts, exact, n) > 1e-3
+
+
+class CutToRoot(PerRow):
+    """Oracle rows whose drafts the batch cuts to their first node each (``fit_batch``), counting the cuts."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cuts = 0
+
+    def fit_batch(self, request_ids, drafts, batch_size):
+        assert batch_size == len(request_ids) == len(drafts) > 1
+        self.cuts += sum(draft.num_nodes > 1 for draft in drafts)
+        return [draft.select(np.array([0])) if draft.num_nodes else draft for draft in drafts]
+
+
+class GrowsDrafts(PerRow):
+    def fit_batch(self, request_ids, drafts, batch_size):
+        return [Draft(np.array([5, 6]), np.array([-1, 0]))] * len(drafts)
+
+
+def test_a_batch_verifies_the_drafts_its_drafter_fits_to_the_batch():
+    """``Drafter.fit_batch`` decides what a padded forward verifies: drafts cut to one node each still decode
+    plain batched greedy's output; a fit that grows a draft is refused with the drafter's name."""
+    model = tiny_random_llama(dtype=torch.float64)
+    ids, mask = left_padded(batch_prompts(3), 1)
+    gen = dict(max_new_tokens=20, do_sample=False, pad_token_id=1)
+    plain = plain_generate(model, ids, attention_mask=mask, **gen)
+    refs = references(plain, ids, mask)
+    drafter = CutToRoot(refs, OracleDrafter)
+    out, stats = patched_generate(model, drafter, ids, attention_mask=mask, **gen)
+    assert out.tolist() == plain.tolist() and drafter.cuts > 0
+    assert stats.tau == pytest.approx(2.0, abs=0.35)  # one right node a step: about two tokens per forward
+    with pytest.raises(ValueError, match="fit_batch grew a draft"):
+        patched_generate(model, GrowsDrafts(refs, WrongDrafter), ids, attention_mask=mask, **gen)

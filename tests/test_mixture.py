@@ -232,6 +232,90 @@ def test_a_host_that_verifies_one_chain_gets_its_best_path_sized():
     assert draft.token_ids.tolist() == _true_next(draft.num_nodes).tolist()
 
 
+def _batch_sizer(batch_size, slope):
+    """A sizer that measured c_B(n) = 1 + slope (n - 1) on padded forwards of ``batch_size`` rows."""
+    sizer = DraftSizer()
+    rows = tuple(f"r{i}" for i in range(batch_size))
+    for width in range(1, 17):
+        for _ in range(3):
+            sizer.on_forward(ForwardReport(rows, (width,) * batch_size, 0.1 * (1 + slope * (width - 1))))
+    return sizer
+
+
+def test_a_padded_batch_is_cut_to_its_best_common_width():
+    """fit_batch's worked example: one row's draft pays alone, but every row of a padded forward pays its width,
+    so the batch drafts nothing; what the sizer remembers for judge is cut with it."""
+    sizer = _batch_sizer(8, 0.3)
+    chain = Draft(np.array([10, 11]), np.array([-1, 0]), np.array([0.9, 0.5], np.float32))
+    alone = sizer.select("r0", chain, [("k", 0), ("k", 1)], Budget(8, 8, 8))[0]
+    assert alone.num_nodes == 2  # 2.4 / 1.6 > 1.9 / 1.3 > 1
+    drafts = [alone] + [Draft.empty()] * 7
+    fitted = sizer.fit_batch([f"r{i}" for i in range(8)], drafts, 8)
+    assert [draft.num_nodes for draft in fitted] == [0] * 8 and "r0" not in sizer._pending
+    # two rows that both draft well: the common width is kept
+    sizer = _batch_sizer(2, 0.3)
+    good = Draft(np.array([10, 11]), np.array([-1, 0]), np.array([0.95, 0.9], np.float32))
+    drafts = [sizer.select(rid, good, [("k", 0), ("k", 1)], Budget(8, 8, 2))[0] for rid in ("r0", "r1")]
+    same = lambda fitted, drafts: all(a is b for a, b in zip(fitted, drafts, strict=True))  # noqa: E731
+    assert same(sizer.fit_batch(["r0", "r1"], drafts, 2), drafts)
+    # a batch of one, a draft the sizer did not choose, or a lookahead window: left as they are
+    assert same(sizer.fit_batch(["r0"], drafts[:1], 1), drafts[:1])
+    empty = Draft.empty()
+    assert same(sizer.fit_batch(["r0", "r1"], [good, empty], 2), [good, empty])
+    windowed = Draft(np.array([10, 11]), np.array([-1, 0]), np.array([0.9, 0.5], np.float32),
+                     is_candidate=np.array([True, False]))
+    sizer._pending["r0"] = (windowed, [("k", 0), ("k", 1)])
+    assert same(sizer.fit_batch(["r0", "r1"], [windowed, empty], 2), [windowed, empty])
+
+
+def test_fit_batch_is_the_brute_force_common_width():
+    """On random calibrated trees in random batches, the common cap is the one a brute-force search over every
+    width finds (the rate each width gives, computed plainly), each row keeps its best min(k, W) nodes and
+    judge sees the kinds of those nodes only."""
+    rng = np.random.default_rng(5)
+    caps = []  # (the cap, the widest row's width) per batch
+    for case in range(60):
+        batch_size, slope = int(rng.integers(2, 9)), float(rng.choice([0.01, 0.1, 0.3, 1.0]))
+        sizer = _batch_sizer(batch_size, slope)
+        rids, drafts, proposed_kinds = [f"r{i}" for i in range(batch_size)], [], {}
+        for rid in rids:
+            n = int(rng.integers(0, 10))
+            parents = np.array([int(rng.integers(-1, i)) for i in range(n)], np.int32)
+            confidence = rng.random(n).astype(np.float32)
+            for i in range(n):
+                if parents[i] >= 0:
+                    confidence[i] *= confidence[parents[i]]
+            tree = Draft(np.arange(100, 100 + n), parents, confidence)
+            kinds = [("k", rid, i) for i in range(n)]
+            chosen, keep, _ = sizer.select_nodes(rid, tree, kinds, Budget(16, 16, batch_size))
+            drafts.append(chosen)
+            proposed_kinds[rid] = [kinds[i] for i in keep]
+        fitted = sizer.fit_batch(rids, drafts, batch_size)
+        widths = [draft.num_nodes for draft in drafts]
+        tops = [sorted(draft.confidence.tolist(), reverse=True) if draft.num_nodes else [] for draft in drafts]
+
+        def rate(cap):
+            fed = [min(width, cap) for width in widths]
+            return sum(1.0 + sum(top[:k]) for top, k in zip(tops, fed)) / sizer.cost_model.cost(1 + cap, batch_size)
+
+        best = max(range(max(widths) + 1), key=lambda cap: (rate(cap), -cap))
+        caps.append((best, max(widths)))
+        for rid, draft, cut in zip(rids, drafts, fitted):
+            assert cut.num_nodes == min(draft.num_nodes, best)
+            if cut.num_nodes == draft.num_nodes:
+                assert cut is draft
+                continue
+            order = sorted(range(draft.num_nodes), key=lambda i: (-float(draft.confidence[i]), i))[:best]
+            assert cut.token_ids.tolist() == draft.token_ids[sorted(order)].tolist()
+            cut.validate()
+            if cut.num_nodes:
+                assert sizer._pending[rid] == (cut, [proposed_kinds[rid][i] for i in sorted(order)])
+            else:
+                assert rid not in sizer._pending
+    assert any(cap == 0 < widest for cap, widest in caps) and any(0 < cap < widest for cap, widest in caps)
+    assert any(0 < cap == widest for cap, widest in caps)
+
+
 def test_chain_sizing_is_the_sorted_path_sizing():
     """Under Budget(chain=True) the sizer reads the best path as it stands when its probabilities never rise (the
     sort would not move it) and sorts it when they do: on random trees both give what sorting always gives."""

@@ -307,6 +307,14 @@ class Drafter(Lockable):
         return self._propose(request_id, budget)
 
     @_locked
+    def fit_batch(self, request_ids: list, drafts: list[Draft], batch_size: int) -> list[Draft]:
+        """The drafts of one padded batch forward (``drafts[i]`` proposed for ``request_ids[i]``), as the engine
+        will verify them: each the proposed draft or a sub-tree of it holding its root's paths. A padded
+        forward is as wide as its widest row, so a drafter that sizes drafts by cost may cut them jointly
+        (``mixture``). Default: as proposed."""
+        return drafts
+
+    @_locked
     def stop(self, request_id: Hashable) -> None:
         """Forget the request (its context is freed even if ``_on_stop`` raises)."""
         self._context(request_id)

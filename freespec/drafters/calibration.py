@@ -16,6 +16,7 @@ requests.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import statistics
 from collections import deque
@@ -712,6 +713,71 @@ class DraftSizer:
             if best_rate > best[0]:
                 best = (best_rate, option, best_k)
         return best[1], best[2]
+
+    def fit_batch(self, request_ids: list, drafts: list[Draft], batch_size: int) -> list[Draft]:
+        """The rows' drafts of one padded batch forward, each cut to its ``W`` best nodes for the one ``W`` that
+        maximizes the batch's expected tokens per unit of time.
+
+        ``select`` sizes each row as if its width were the step's, but a padded batch forward is as wide as its
+        widest row: every row pays ``c_B(1 + max k)``. So the step keeps the common cap ``W`` that maximizes
+        ``sum over rows of (1 + S_i(min(k_i, W))) / (c_B(1 + W) + h(sum of min(k_i, W)) / t1)``, ``S_i(k)`` the
+        sum of row ``i``'s ``k`` highest path probabilities (ties: the smaller ``W``). A row's remembered
+        nodes (for ``judge``) are cut with it. Drafts with not-candidate nodes (a lookahead window), without
+        confidence, or any not chosen by ``select`` for its request, leave the batch as it is.
+        Worked example: ``c(n) = 1 + 0.3 (n - 1)``, one row drafting path probabilities ``[0.9, 0.5]`` and
+        seven drafting none: ``W = 0`` gives 8/1 = 8, ``W = 1`` 8.9/1.3 = 6.85, ``W = 2`` 9.4/1.6 = 5.88,
+        so no row drafts (alone, that row would have kept both nodes: 2.4/1.6 = 1.5 against 1).
+        """
+        widths = [draft.num_nodes for draft in drafts]
+        if len(drafts) <= 1 or not self.adaptive or not any(widths):
+            return drafts
+        sorted_probs = []
+        for request_id, draft in zip(request_ids, drafts):
+            if not draft.num_nodes:
+                sorted_probs.append([])
+                continue
+            pending = self._pending.get(request_id)
+            if draft.is_candidate is not None or draft.confidence is None or pending is None \
+                    or pending[0] is not draft:
+                return drafts
+            sorted_probs.append(sorted(draft.confidence.tolist(), reverse=True))
+        widest = max(widths)
+        forward = self.cost_model.cost_list(widest + 1, batch_size)  # [w - 1]: c_B(w)
+        host = self.host_models.get(self.cost_model.bucket(batch_size))
+        one_token_s = self.cost_model.one_token_s(batch_size) if host is not None else None
+        a, b = host.fit() if one_token_s else (0.0, 0.0)
+        a, b = (a / one_token_s, b / one_token_s) if one_token_s else (0.0, 0.0)
+        prefix = [[0.0] + list(itertools.accumulate(probs)) for probs in sorted_probs]
+        best_rate, best_cap = -1.0, widest
+        for cap in range(widest + 1):
+            fed = [min(width, cap) for width in widths]
+            expected = sum(1.0 + sums[k] for sums, k in zip(prefix, fed))
+            rate = expected / (forward[cap] + a + b * sum(fed))
+            if rate > best_rate:
+                best_rate, best_cap = rate, cap
+        if best_cap == widest:
+            return drafts
+        fitted = []
+        for request_id, draft in zip(request_ids, drafts):
+            if draft.num_nodes <= best_cap:
+                fitted.append(draft)
+                continue
+            confidence, parents = draft.confidence.tolist(), draft.parents.tolist()
+            chosen: set[int] = set()  # the best nodes, each with its parent (path probabilities: the best anyway)
+            for i in sorted(range(draft.num_nodes), key=lambda i: (-confidence[i], i)):
+                if len(chosen) == best_cap:
+                    break
+                if parents[i] < 0 or parents[i] in chosen:
+                    chosen.add(i)
+            keep = sorted(chosen)
+            if not keep:
+                self._pending.pop(request_id, None)
+                fitted.append(Draft.empty())
+                continue
+            cut = draft.select(np.array(keep, np.int64))
+            self._pending[request_id] = (cut, [self._pending[request_id][1][i] for i in keep])
+            fitted.append(cut)
+        return fitted
 
     def judge(self, request_id: Hashable, committed) -> None:
         """Count the outcome of the request's last selected draft (``committed``: this step's tokens)."""

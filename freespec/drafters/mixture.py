@@ -324,6 +324,10 @@ class MixtureDrafter(Drafter):
         self._remember_pool_only(request_id, scored, node_maps, merged.num_nodes, chosen, kept)
         return self.lookahead.hang_window(request_id, chosen, options[option][0])
 
+    def fit_batch(self, request_ids: list, drafts: list[Draft], batch_size: int) -> list[Draft]:
+        """The sizer's joint cut (``DraftSizer.fit_batch``): every row of a padded forward pays its widest."""
+        return self.sizer.fit_batch(request_ids, drafts, batch_size)
+
     def _self_draft(self, request_id, budget: Budget) -> Draft:
         """The early-exit draft, in a batch of one, when its gate predicts a gain; else none."""
         if self.early_exit is None or budget.batch_size != 1 or not self.early_exit.worth_drafting(request_id):

@@ -395,6 +395,9 @@ class RecycleDrafter(Drafter):
     def on_forward(self, report: ForwardReport) -> None:
         self.sizer.on_forward(report)
 
+    def fit_batch(self, request_ids: list, drafts: list[Draft], batch_size: int) -> list[Draft]:
+        return self.sizer.fit_batch(request_ids, drafts, batch_size)
+
     def _propose(self, request_id, budget: Budget) -> Draft:
         draft, kinds = self.recycle.draft(request_id, self.context(request_id), budget, self.sizer.calibrator)
         return self.sizer.select(request_id, draft, kinds, budget)[0]
