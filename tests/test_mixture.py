@@ -1,5 +1,6 @@
 """MixtureDrafter: validity, dedup and attribution, cost model, calibration, gating, isolation, recycling, lookahead."""
 
+import math
 import statistics
 
 import numpy as np
@@ -402,7 +403,7 @@ def _reference_known_points(model: CostModel) -> tuple[list[int], list[float]]:
 def _reference_curve(model: CostModel) -> list[float]:
     """The curve as numpy draws it (np.interp between the pinned widths, np.maximum.accumulate): the twin of
     ``CostModel._compute_curve``."""
-    prior = 1.0 + model.prior_slope * (np.arange(1, model.MAX_WIDTH + 1) - 1.0)
+    prior = np.asarray(model.prior_list())
     base_s = model._one_token_s()
     if base_s is None:
         return np.maximum.accumulate(prior).tolist()
@@ -414,8 +415,13 @@ def _reference_curve(model: CostModel) -> list[float]:
     curve = np.interp(np.arange(model.MAX_WIDTH, dtype=np.float64), np.asarray(known_at, np.float64),
                       np.maximum.accumulate(known))
     last, highest = known_at[-1], float(known.max())
-    slope = (highest - 1.0) / last if last > 0 else model.prior_slope
-    curve[last + 1:] = highest + slope * (np.arange(last + 1, model.MAX_WIDTH) - last).astype(np.float64)
+    if last > 0:
+        slope = (highest - 1.0) / last
+        curve[last + 1:] = highest + slope * (np.arange(last + 1, model.MAX_WIDTH) - last).astype(np.float64)
+        if model._prior_of is not None:
+            curve[last + 1:] = np.maximum(curve[last + 1:], prior[last + 1:])
+    else:
+        curve[1:] = prior[1:]
     explored = {model._group[i] for i in known_at}
     for i in range(model.OPTIMISTIC_UP_TO):
         if model._group[i] not in explored:
@@ -427,8 +433,10 @@ def _reference_curve(model: CostModel) -> list[float]:
 def test_cost_model_curve_is_numpys_bit_for_bit():
     rng = np.random.default_rng(11)
     for case in range(300):
+        steps = rng.random(CostModel.MAX_WIDTH - 1) * float(rng.choice([0.01, 0.3]))
+        given = [1.0] + (1.0 + np.cumsum(steps)).tolist()  # a borrowed prior (BatchCostModel's), every 4th case
         model = CostModel(prior_slope=float(rng.choice([0.0, 0.03, 0.2])), window=8,
-                          min_samples=int(rng.integers(1, 4)))
+                          min_samples=int(rng.integers(1, 4)), prior=None if case % 4 else lambda: given)
         widths = rng.choice(np.arange(1 + (case % 3 == 0), 130), size=int(rng.integers(1, 12)))
         for _ in range(int(rng.integers(0, 60))):
             width = int(rng.choice(widths))
@@ -724,6 +732,40 @@ def test_batch_cost_model_borrows_from_batch_one_until_measured():
     assert model.cost(4, 6) == pytest.approx(3.0)  # 6 rows: the batch-8 bucket
     assert model.cost(4, 1) == pytest.approx(1.09)  # batch 1 untouched
     assert model.costs(np.array([4, 16]), 8).tolist() == pytest.approx([3.0, 9.0])
+
+
+def test_a_batch_bucket_measures_against_the_borrowed_curve():
+    """Bucket 8's own model, once it answers for itself, explores against c_1(8 n) / c_1(8), not against batch 1's
+    prior line (with widths 1 and 2 pinned, c_8(2) = 1.5, the unpinned widths are priced no lower than the borrowed
+    curve allows), and the flat gate reads only its measured widths: shut until one of 4 or more is measured."""
+    from freespec.drafters.calibration import BatchCostModel
+
+    model = BatchCostModel()
+    borrowed = [(1 + 0.03 * (8 * n - 1)) / (1 + 0.03 * 7) for n in range(1, 9)]
+    for width, seconds in ((1, 0.2), (2, 0.3)):
+        for _ in range(3):
+            model.add(8, width, seconds)
+    assert model.of_batch(8).prior_list()[:8] == pytest.approx(borrowed)
+    assert model.cost(2, 8) == pytest.approx(1.5)
+    assert model.at_most(4, 8) == math.inf  # MixtureDrafter's gate: closed until a width of 4 or more is measured
+    assert model.cost(3, 8) == pytest.approx(max(1.5, borrowed[2]))  # explored against the borrowed curve
+    cheap = BatchCostModel()  # two early widths that read cheap (c_8(2) = 1.05) open no gate
+    assert cheap.at_most(4, 8) == pytest.approx(borrowed[3])  # no bucket-8 forward yet: a packing host's borrowing
+    for width, seconds in ((1, 0.2), (2, 0.21)):
+        for _ in range(3):
+            cheap.add(8, width, seconds)
+    assert cheap.at_most(4, 8) == math.inf
+    assert cheap.cost(40, 8) == pytest.approx(cheap.of_batch(8).prior_list()[39])  # nor a wide forward on faith
+    for _ in range(3):  # its own 5-token forwards measured cheap: the gate opens on them
+        cheap.add(8, 5, 0.24)
+    assert cheap.at_most(4, 8) == pytest.approx(1.2)
+    for _ in range(3):  # batch 1 measured steep: bucket 8's prior follows it
+        model.add(1, 1, 0.1)
+        model.add(1, 16, 0.3)
+        model.add(1, 32, 0.5)
+    assert model.of_batch(8).prior_list()[3] == pytest.approx(model.cost(32, 1) / model.cost(8, 1))
+    # redrawn: past its pinned widths the bucket reads the borrowed curve where it is above its own line (2.0)
+    assert model.cost(3, 8) == pytest.approx(model.cost(24, 1) / model.cost(8, 1)) and model.cost(3, 8) > 3
 
 
 def test_a_large_batch_drafts_less():

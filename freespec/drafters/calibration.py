@@ -20,7 +20,8 @@ import itertools
 import math
 import statistics
 from collections import deque
-from typing import Hashable
+from functools import partial
+from typing import Callable, Hashable
 
 import numpy as np
 
@@ -60,7 +61,8 @@ class CostModel:
     the median the curve was drawn from; each forward moves some median a little, and
     drawing the curve again for that cost up to a third of a vLLM ``propose()`` step.
 
-    ``CostModel().cost(9) == 1.24`` before any measurement.
+    ``CostModel().cost(9) == 1.24`` before any measurement. ``prior``: a callable giving the prior curve
+    c(1..MAX_WIDTH) in place of the line (``BatchCostModel`` passes batch 1's curve, rescaled).
     """
 
     MAX_WIDTH = 129  # the root and 128 nodes (the default budget feeds 65 at most)
@@ -69,7 +71,8 @@ class CostModel:
     # widths GROUPS[g] + 1 .. GROUPS[g + 1] pool (see _known_points); 65, the default budget's widest, alone
     GROUPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 65, 96, 128, 129)
 
-    def __init__(self, prior_slope: float = 0.03, window: int = 32, min_samples: int = 3):
+    def __init__(self, prior_slope: float = 0.03, window: int = 32, min_samples: int = 3,
+                 prior: Callable[[], list[float]] | None = None):
         if not prior_slope >= 0:
             raise ValueError(f"prior_slope must be >= 0, got {prior_slope!r}")
         check_int("window", window, 1)
@@ -81,6 +84,7 @@ class CostModel:
         self._medians = np.full(self.MAX_WIDTH, np.nan)  # [width - 1]: median of _times, nan while empty
         self._widths = np.arange(1, self.MAX_WIDTH + 1, dtype=np.float64)
         self._prior_list = [1.0 + self.prior_slope * (width - 1.0) for width in range(1, self.MAX_WIDTH + 1)]
+        self._prior_of = prior  # c(1..MAX_WIDTH) before measurement, when not the line above (BatchCostModel)
         self._group = [bisect.bisect_left(self.GROUPS, width) for width in range(1, self.MAX_WIDTH + 1)]  # its group
         self._curve_list: list[float] | None = None  # c(1..MAX_WIDTH), cached until the next add() changes it
         self._curve: np.ndarray | None = None  # the same as an array, made when asked for
@@ -88,24 +92,31 @@ class CostModel:
         self._known_at: list[int] = []  # indices of the widths the cached curve is pinned at
         self._drawn_medians: list[float] = []  # [width - 1]: the medians the cached curve was drawn from
 
-    def add(self, num_tokens_fed: int, forward_s: float) -> None:
+    def add(self, num_tokens_fed: int, forward_s: float) -> bool:
+        """Count one decode forward; True if the curve will be drawn again (it may have moved)."""
         if num_tokens_fed < 1 or num_tokens_fed > self.MAX_WIDTH or not forward_s > 0 or math.isinf(forward_s):
-            return
+            return False
         index = num_tokens_fed - 1
         times = self._times[index]
         was_pinned = len(times) >= self.min_samples
         times.append(float(forward_s))
         median = self._medians[index] = statistics.median(times)  # 50x faster than np.median on 32
         if self._curve_list is None:
-            return
+            return True
         # a width pinned when the curve was drawn (it has been since: pinning one redraws the curve) whose median
         # stays within REDRAW of the median the curve used, while width 1 is pinned too, leaves the curve as it is
         drawn = self._drawn_medians[index]
         if not (was_pinned and len(self._times[0]) >= self.min_samples and abs(median - drawn) <= self.REDRAW * drawn):
             self._curve_list = self._curve = None
+        return self._curve_list is None
 
-    def prior(self, num_tokens: float) -> float:
-        return 1.0 + self.prior_slope * (num_tokens - 1)
+    def prior_list(self) -> list[float]:
+        """c(1..MAX_WIDTH) before measurement: ``prior``'s curve if given, else ``1 + prior_slope (n - 1)``."""
+        return self._prior_list if self._prior_of is None else self._prior_of()
+
+    def prior_changed(self) -> None:
+        """``prior``'s curve moved: the next read draws the curve again."""
+        self._curve_list = self._curve = None
 
     def measured(self, num_tokens: int) -> bool:
         """Whether forwards of ``num_tokens`` (1..MAX_WIDTH) tokens are measured."""
@@ -127,7 +138,7 @@ class CostModel:
 
     def _compute_curve(self) -> list[float]:
         self._drawn_medians = self._medians.tolist()
-        prior = self._prior_list
+        prior = self.prior_list()
         base_s = self._base_s = self._one_token_s()
         self._known_at = []
         if base_s is None:
@@ -143,12 +154,17 @@ class CostModel:
             curve.append(knot)
             curve += [slope * float(step) + knot for step in range(1, high - low)]
         last = known_at[-1]
-        # past the last pinned width, the measured curve's mean slope (the prior's with none): on a
+        # past the last pinned width, the measured curve's mean slope (the prior with none): on a
         # steep curve (c(2) = 3) a wide forward is not read as nearly free of the tokens it adds
         highest = max(known)
-        slope = (highest - 1.0) / float(last) if last > 0 else self.prior_slope
         curve.append(knots[-1])
-        curve += [highest + slope * float(step) for step in range(1, self.MAX_WIDTH - last)]
+        if last > 0:
+            slope = (highest - 1.0) / float(last)
+            curve += [highest + slope * float(step) for step in range(1, self.MAX_WIDTH - last)]
+            if self._prior_of is not None:  # a given prior is a floor there: no wider forward on the line's faith
+                curve[last + 1:] = [max(value, floor) for value, floor in zip(curve[last + 1:], prior[last + 1:])]
+        else:  # only width 1 pinned: highest is 1
+            curve += prior[1:]
         explored = {self._group[index] for index in known_at}  # a group with a pinned width: no optimism
         for index in range(self.OPTIMISTIC_UP_TO):
             if self._group[index] not in explored:
@@ -187,11 +203,14 @@ class CostModel:
         """A measured bound on c(``num_tokens``): its own value if measured, else the nearest measured width
         above it (c does not decrease), else ``cost``. Unlike ``cost`` it never explores: on a CPU in
         float32 (c(2) = 1.09, c(4) = 1.73, c(16) = 2.2) a line from 1 to 16 tokens would read c(4) = 1.24."""
+        bound = self.measured_bound(num_tokens)
+        return self.cost(num_tokens) if bound is None else bound
+
+    def measured_bound(self, num_tokens: int) -> float | None:
+        """``at_most``'s measured bound, or None where no width of ``num_tokens`` or more is pinned."""
         curve = self.curve_list()  # sets _base_s and _known_at
         above = [index for index in self._known_at if index >= max(1, num_tokens) - 1]
-        if self._base_s is not None and above:
-            return curve[above[0]]
-        return self.cost(num_tokens)
+        return curve[above[0]] if self._base_s is not None and above else None
 
     def one_token_s(self) -> float | None:
         """Seconds of a one-token forward: ``_one_token_s``, as the curve last divided by."""
@@ -262,6 +281,13 @@ class BatchCostModel:
     Worked example, ``c_1(n) = 1 + 0.03 (n - 1)`` (the prior): ``c_4(5) =
     c_1(20) / c_1(4) = 1.57 / 1.09 = 1.44``, where batch 1 would pay ``c_1(5) = 1.12``.
 
+    The borrowed curve is also the bucket's own prior while it measures: the widths it has
+    not pinned are explored, and ``at_most`` read, against ``c_1(B n) / c_1(B)``, not against
+    batch 1's prior line. Measured on smollm2-135m float32 at batch 8 (2-core Xeon):
+    c_8(2, 4, 8) = 1.47, 1.78, 2.16, where the line reads 1.03, 1.09, 1.21 and the borrowed
+    prior 1.20, 1.60, 2.39; against the line, the first batch's forwards took recycled trees
+    and lookahead windows of up to 21 tokens (the flat gate read c(4) = 1.09).
+
     A host that packs rows end to end (vLLM; ``ForwardReport.packed``) reports every forward to batch 1 at the
     tokens it fed in all, so every batch size reads ``c_1(B n) / c_1(B)``: a packed step's time follows its total
     tokens, and its widest row says little of it. Measured on vLLM's CPU build (smollm2-135m float32, 8
@@ -281,9 +307,19 @@ class BatchCostModel:
     def add(self, batch_size: int, width: int, forward_s: float) -> None:
         bucket = self.bucket(batch_size)
         if bucket not in self._models:
-            self._models[bucket] = CostModel(self.prior_slope, self.window)
-        self._models[bucket].add(width, forward_s)
+            self._models[bucket] = CostModel(self.prior_slope, self.window, prior=partial(self._borrowed, bucket))
+        model = self._models[bucket]
+        if model.add(width, forward_s) and bucket == 1:  # batch 1's curve moved, and with it every bucket's prior
+            for other in self._models.values():
+                if other is not model:
+                    other.prior_changed()
         self._memo.clear()  # every value memoized is a function of the models, which only add() changes
+
+    def _borrowed(self, bucket: int) -> list[float]:
+        """c_1(B n) / c_1(B) for n = 1 .. ``CostModel.MAX_WIDTH``: bucket ``B``'s curve read from batch 1's."""
+        single = self._models[1]
+        widths = bucket * np.arange(1, CostModel.MAX_WIDTH + 1)
+        return np.maximum(1.0, single.costs(widths) / single.cost(bucket)).tolist()
 
     def cost(self, num_tokens: int, batch_size: int = 1) -> float:
         return float(self.costs(np.array([num_tokens]), batch_size)[0])
@@ -325,12 +361,22 @@ class BatchCostModel:
         return value
 
     def _at_most(self, num_tokens: int, batch_size: int) -> float:
+        """Batch 1's ``at_most``; a bucket of its own (a padding host's) answers only with its measured bound, and
+        reads ``inf`` without one; a bucket with no forwards (a packing host's) borrows ``c_1(B n) / c_1(B)``.
+
+        A padded batch's forward costs more than the tokens it feeds would at batch 1 (smollm2-135m float32,
+        batch 8: c_8(2, 4) = 1.47, 1.78 where c_1(16) / c_1(8) and c_1(32) / c_1(8) read 1.20, 1.60), so no
+        borrowed value opens a gate there: a recycled tree or a lookahead window rides a padded batch only once
+        its own forwards of that width were measured cheap."""
         bucket = self.bucket(batch_size)
-        own = self._own(bucket)
-        if own is not None:
-            return own.at_most(num_tokens)
         single = self._models[1]
-        return max(1.0, single.at_most(bucket * num_tokens) / single.cost(bucket))
+        if bucket == 1:
+            return single.at_most(num_tokens)
+        own = self._models.get(bucket)
+        if own is None:
+            return max(1.0, single.at_most(bucket * num_tokens) / single.cost(bucket))
+        bound = own.measured_bound(num_tokens)
+        return math.inf if bound is None else bound
 
     def one_token_s(self, batch_size: int = 1) -> float | None:
         """Seconds of a one-token forward at ``batch_size`` (its own bucket's, else batch 1's times c_1(B));

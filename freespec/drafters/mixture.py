@@ -264,7 +264,10 @@ class MixtureDrafter(Drafter):
         4.42x -> 3.89x plain, Spec-Bench equal). Until forwards of about 4 tokens are measured
         the prior curve counts as flat; after that an unmeasured c(4) reads the nearest measured
         width above it (``at_most``), not the sizer's optimistic exploration, which would keep the
-        gate open on a steep curve whose 4-token forwards happen to be rare.
+        gate open on a steep curve whose 4-token forwards happen to be rare. A padded batch (HF
+        ``generate()`` at batch size above 1) opens it only once its own forwards of 4 tokens or more
+        per row were measured cheap: there, a borrowed batch-1 value reads padded forwards as cheaper
+        than they are (``BatchCostModel._at_most``).
         """
         return self.cost_model.at_most(4, batch_size) <= self.flat_max_cost
 
