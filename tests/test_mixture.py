@@ -768,6 +768,24 @@ def test_a_batch_bucket_measures_against_the_borrowed_curve():
     assert model.cost(3, 8) == pytest.approx(model.cost(24, 1) / model.cost(8, 1)) and model.cost(3, 8) > 3
 
 
+def test_a_bucket_reads_each_batch_size_against_its_own_one_token_forward():
+    """Bucket 4 holds batches of 3, 4 and 5 rows: a forward of 6 tokens per row costs 1.9 one-token forwards at
+    each size, whose one-token forwards differ (0.12, 0.14, 0.16 s). A shrinking batch drafts wide while it has
+    more rows; the bucket's curve reads 1.9, where the medians of pooled seconds read 0.304 / 0.14 = 2.17, and
+    each size's one-token time is its own."""
+    from freespec.drafters.calibration import BatchCostModel
+
+    scaled, pooled = BatchCostModel(), CostModel()
+    for rows, one_token_s, widths in ((5, 0.16, (1, 6, 6, 6)), (4, 0.14, (1, 1, 1, 6)), (3, 0.12, (1, 6))):
+        for width in widths:
+            seconds = one_token_s * (1.9 if width == 6 else 1.0)
+            scaled.add(rows, width, seconds)
+            pooled.add(width, seconds)
+    assert scaled.cost(6, 4) == pytest.approx(1.9) and scaled.cost(6, 5) == pytest.approx(1.9)
+    assert pooled.cost(6) == pytest.approx(0.16 * 1.9 / 0.14)
+    assert [scaled.one_token_s(rows) for rows in (3, 4, 5)] == pytest.approx([0.12, 0.14, 0.16])
+
+
 def test_a_large_batch_drafts_less():
     drafter = MixtureDrafter(recycle=False)
     for width in (1, 2, 3, 4, 16):  # at batch 8, each token more per row costs half a forward
