@@ -92,9 +92,14 @@ class CostModel:
         self._known_at: list[int] = []  # indices of the widths the cached curve is pinned at
         self._drawn_medians: list[float] = []  # [width - 1]: the medians the cached curve was drawn from
 
+    @classmethod
+    def counts(cls, num_tokens_fed: int, forward_s: float) -> bool:
+        """Whether ``add`` counts a forward: 1..MAX_WIDTH tokens fed, a finite positive time."""
+        return 1 <= num_tokens_fed <= cls.MAX_WIDTH and forward_s > 0 and not math.isinf(forward_s)
+
     def add(self, num_tokens_fed: int, forward_s: float) -> bool:
         """Count one decode forward; True if the curve will be drawn again (it may have moved)."""
-        if num_tokens_fed < 1 or num_tokens_fed > self.MAX_WIDTH or not forward_s > 0 or math.isinf(forward_s):
+        if not self.counts(num_tokens_fed, forward_s):
             return False
         index = num_tokens_fed - 1
         times = self._times[index]
@@ -316,7 +321,7 @@ class BatchCostModel:
 
     def add(self, batch_size: int, width: int, forward_s: float) -> None:
         bucket = self.bucket(batch_size)
-        if bucket > 1 and forward_s > 0 and not math.isinf(forward_s):
+        if bucket > 1 and CostModel.counts(width, forward_s):
             forward_s = self._scaled(bucket, batch_size, width, float(forward_s))
         if bucket not in self._models:
             self._models[bucket] = CostModel(self.prior_slope, self.window, prior=partial(self._borrowed, bucket))
@@ -342,10 +347,13 @@ class BatchCostModel:
         return forward_s * self._reference_s.setdefault(bucket, own_s) / own_s
 
     def _borrowed(self, bucket: int) -> list[float]:
-        """c_1(B n) / c_1(B) for n = 1 .. ``CostModel.MAX_WIDTH``: bucket ``B``'s curve read from batch 1's."""
+        """``_borrowed_costs`` of n = 1 .. ``CostModel.MAX_WIDTH``: bucket ``B``'s prior curve."""
+        return self._borrowed_costs(bucket, np.arange(1, CostModel.MAX_WIDTH + 1)).tolist()
+
+    def _borrowed_costs(self, bucket: int, num_tokens) -> np.ndarray:
+        """c_1(B n) / c_1(B), at least 1, for each n of ``num_tokens``: bucket ``B``'s cost read from batch 1's."""
         single = self._models[1]
-        widths = bucket * np.arange(1, CostModel.MAX_WIDTH + 1)
-        return np.maximum(1.0, single.costs(widths) / single.cost(bucket)).tolist()
+        return np.maximum(1.0, single.costs(bucket * np.asarray(num_tokens)) / single.cost(bucket))
 
     def cost(self, num_tokens: int, batch_size: int = 1) -> float:
         return float(self.costs(np.array([num_tokens]), batch_size)[0])
@@ -356,8 +364,7 @@ class BatchCostModel:
         own = self._own(bucket)
         if own is not None:
             return own.costs(num_tokens)
-        single = self._models[1]
-        return np.maximum(1.0, single.costs(bucket * np.asarray(num_tokens)) / single.cost(bucket))
+        return self._borrowed_costs(bucket, num_tokens)
 
     def _own(self, bucket: int) -> CostModel | None:
         """The bucket's model if it answers for itself (batch 1, or two widths measured), else None (borrow)."""
