@@ -265,7 +265,7 @@ def test_a_padded_batch_is_cut_to_its_best_common_width():
     assert same(sizer.fit_batch(["r0", "r1"], [good, empty], 2), [good, empty])
     windowed = Draft(np.array([10, 11]), np.array([-1, 0]), np.array([0.9, 0.5], np.float32),
                      is_candidate=np.array([True, False]))
-    sizer._pending["r0"] = (windowed, [("k", 0), ("k", 1)], 1.0)
+    sizer._pending["r0"] = (windowed, [("k", 0), ("k", 1)])
     assert same(sizer.fit_batch(["r0", "r1"], [windowed, empty], 2), [windowed, empty])
 
 
@@ -310,7 +310,7 @@ def test_fit_batch_is_the_brute_force_common_width():
             assert cut.token_ids.tolist() == draft.token_ids[sorted(order)].tolist()
             cut.validate()
             if cut.num_nodes:
-                assert sizer._pending[rid] == (cut, [proposed_kinds[rid][i] for i in sorted(order)], 1.0)
+                assert sizer._pending[rid] == (cut, [proposed_kinds[rid][i] for i in sorted(order)])
             else:
                 assert rid not in sizer._pending
     assert any(cap == 0 < widest for cap, widest in caps) and any(0 < cap < widest for cap, widest in caps)
@@ -559,55 +559,6 @@ def test_choose_size():
     assert size(sizer, probs, 5, ((0, 0.0), (4, 0.5))) == (1, 1)
     assert size(sizer, probs, 3, ((0, 0.0), (4, 0.5))) == (3, 0)
     assert size(DraftSizer(adaptive=False), probs, 6, ((0, 0.0), (4, 0.0))) == (2, 1)
-
-
-def test_a_request_worth_less_than_predicted_is_trusted_less():
-    """``request_scale`` is (A + q) / (E + q) over the request's own judged nodes (faded per step, computed
-    plainly here), at most 1; each node's path probability is multiplied by it to the node's depth; a request
-    the calibrator predicts well, or one the sizer forgot, keeps its trees; ``request_strength=inf`` turns it off."""
-    conditional = 0.9
-    probs = [conditional ** depth for depth in range(1, 7)]
-    chain = Draft(np.arange(100, 106), np.arange(-1, 5), np.array(probs, np.float32))
-    kinds = [AcceptanceCalibrator().kind("suffix", 12, depth, 1.0) for depth in range(1, 7)]
-    budget = Budget(24, 12)
-    steady, per_request = DraftSizer(request_strength=float("inf")), DraftSizer()
-    for sizer in (steady, per_request):  # c(n) = 1 + 0.15 (n - 1): a few nodes pay, not every one
-        for width in range(1, 9):
-            for _ in range(3):
-                sizer.on_forward(ForwardReport(("r",), (width,), 0.05 * (1 + 0.15 * (width - 1))))
-    fade, strength = 0.5 ** (1 / 32), 4.0
-    accepted = expected = 0.0  # the plain twin of the "wrong" request's sums
-    scaled_steps = 0
-    for step in range(40):
-        for sizer in (steady, per_request):
-            for request, committed in (("wrong", [7]), ("right", list(range(100, 106)) + [5])):
-                scale = sizer.request_scale(request)
-                assert scale == 1.0 if step == 0 else scale <= 1.0
-                chosen = sizer.select(request, chain, kinds, budget)[0]
-                if chosen.num_nodes and scale < 1.0:  # the best path's nodes, times scale ** depth
-                    scaled_steps += 1
-                    assert chosen.confidence.tolist() == pytest.approx(
-                        [p * scale ** d for d, p in enumerate(probs[: chosen.num_nodes], 1)])
-                if chosen.num_nodes:
-                    parents = chosen.parents[chosen.parents >= 0]
-                    assert np.all(chosen.confidence[parents] >= chosen.confidence[chosen.parents >= 0])
-                sizer.judge(request, committed)
-                if sizer is per_request and request == "wrong":
-                    accepted, expected = accepted * fade, expected * fade
-                    expected += conditional if chosen.num_nodes else 0.0  # the root was judged, and rejected
-    assert per_request.request_scale("wrong") == pytest.approx(min(1.0, (accepted + strength) / (expected + strength)))
-    assert per_request.request_scale("wrong") < 0.5 and per_request.request_scale("right") == 1.0
-    assert steady.request_scale("wrong") == 1.0
-    wrong = per_request.select("wrong", chain, kinds, budget)[0]
-    right = per_request.select("right", chain, kinds, budget)[0]
-    as_before = steady.select("wrong", chain, kinds, budget)[0]
-    assert wrong.num_nodes < right.num_nodes and wrong.num_nodes < as_before.num_nodes
-    assert scaled_steps  # some steps drafted under a scale below 1
-    per_request.forget("wrong")
-    assert per_request.request_scale("wrong") == 1.0 and "wrong" not in per_request._requests
-    for bad in ({"request_strength": 0}, {"request_half_life": -1.0}, {"request_strength": "4"}):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            DraftSizer(**bad)
 
 
 def _run_steps(drafter, source_draft, truth_fn, num_steps, forward_s=lambda n: 0.05 * (1 + 0.06 * (n - 1))):

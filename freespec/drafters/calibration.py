@@ -606,21 +606,19 @@ class AcceptanceCalibrator:
         """One more step judged (``update`` calls of one step share a tick)."""
         self.clock += 1
 
-    def judge(self, draft: Draft, kinds: list, committed) -> list[tuple[int, bool]]:
+    def judge(self, draft: Draft, kinds: list, committed) -> None:
         """One step's outcome: for each candidate whose parent was accepted, was it accepted too?
 
         The committed tokens are the accepted path followed by the bonus token;
         a node at depth d is judged against ``committed[d - 1]`` (if committed
         stopped earlier, e.g. at EOS, deeper nodes are not judged). ``kinds[i]``
-        is node ``i``'s kind (not-candidate nodes are never judged). Returns the
-        judged nodes, ``(index, accepted)``, parents first.
+        is node ``i``'s kind (not-candidate nodes are never judged).
         """
         committed = np.asarray(committed).tolist()
         self.tick()
         num_nodes, num_committed = draft.num_nodes, len(committed)
         accepted, depths = [False] * num_nodes, [0] * num_nodes
         is_candidate = None if draft.is_candidate is None else draft.is_candidate.tolist()
-        judged = []
         for i, (parent, token) in enumerate(zip(draft.parents.tolist(), draft.token_ids.tolist())):
             depths[i] = depth = 1 if parent < 0 else depths[parent] + 1  # topological: the parent's comes first
             if (is_candidate is not None and not is_candidate[i]) or (parent >= 0 and not accepted[parent]) \
@@ -628,8 +626,6 @@ class AcceptanceCalibrator:
                 continue
             accepted[i] = committed[depth - 1] == token
             self.update(kinds[i], accepted[i])
-            judged.append((i, accepted[i]))
-        return judged
 
 
 def calibrate_lookup(calibrator: AcceptanceCalibrator, source: str, match_len: int,
@@ -689,37 +685,18 @@ class DraftSizer:
     ``[0.9, 0.8, 0.1, 0.02]``: k=0 gives 1.0, k=1 1.9/1.03=1.84, k=2 2.7/1.06=2.55,
     k=3 2.8/1.09=2.57, k=4 2.82/1.12=2.52, so three nodes are proposed.
 
-    Each request's path probabilities are also corrected by what its own drafts showed: the calibrator learns
-    per kind of node over every request, so a request whose matches are worth less than other requests' (a
-    long document to summarize, whose phrases recur without being copied) is over-trusted until its kinds'
-    counts move. ``request_scale`` is ``min(1, (A + q) / (E + q))`` with ``q = request_strength``, ``A`` the
-    request's accepted nodes and ``E`` the sum of their calibrated (conditional) probabilities, both fading
-    with a half-life of ``request_half_life`` of the request's steps; a node at depth ``d`` has its path
-    probability multiplied by ``request_scale ** d``. It only ever lowers (a path probability of a child stays
-    at most its parent's): over-trust is what makes a step cost more than plain decoding's, and what
-    under-trust leaves is found back by the calibrator. Measured on smollm2-135m float32 (Spec-Bench dev, 13
-    items): the requests whose drafts were accepted 0.64-0.79 times as often as predicted are the ones where
-    drafting cost time. ``request_strength=float('inf')``: no per-request correction.
-
     adaptive: False fills the budget instead (the largest extra option that fits, then candidates).
-    Shared across requests: numbers about the model and the machine, no tokens; per request (released by
-    ``forget``): its pending draft and its two acceptance sums.
+    Shared across requests: numbers about the model and the machine, no tokens.
     """
 
-    def __init__(self, adaptive: bool = True, prior_cost_slope: float = 0.03, host_cost: bool = True,
-                 request_strength: float = 4.0, request_half_life: float = 32.0):
+    def __init__(self, adaptive: bool = True, prior_cost_slope: float = 0.03, host_cost: bool = True):
         self.adaptive = check_bool("adaptive", adaptive)
         self.cost_model = BatchCostModel(prior_slope=check_number("prior_cost_slope", prior_cost_slope, 0.0))
         self.calibrator = AcceptanceCalibrator()
         self.host_cost = check_bool("host_cost", host_cost)
         self.host_models: dict[int, HostCostModel] = {}  # batch bucket -> h(k), the step's time outside its forward
         self._step_costs: dict[int, list[float]] = {}  # bucket -> c(w) + h(w - 1) / t1, until the next forward
-        # request -> verified candidates, their kinds, the request_scale they were chosen under
-        self._pending: dict[Hashable, tuple[Draft, list, float]] = {}
-        self.request_strength = check_number("request_strength", request_strength, 0.0, low_open=True)
-        half_life = check_number("request_half_life", request_half_life, 0.0, low_open=True)
-        self._request_fade = 0.5 ** (1.0 / half_life)
-        self._requests: dict[Hashable, list[float]] = {}  # request -> [accepted, expected], faded per step
+        self._pending: dict[Hashable, tuple[Draft, list]] = {}  # request -> verified candidates, their kinds
 
     def on_forward(self, report) -> None:
         """A ``ForwardReport``: decode forwards calibrate c_B(n) (a prefill's cost is the prompt's) and, where the
@@ -774,10 +751,6 @@ class DraftSizer:
         self._pending.pop(request_id, None)
         if draft.num_nodes == 0:
             return Draft.empty(), [], self._best([], budget, extras)[0]
-        scale = self.request_scale(request_id)
-        if scale < 1.0:  # path probability times scale ** depth: a child stays at most its parent
-            draft = draft.rescored((draft.confidence * np.power(np.float32(scale), draft.depths())).astype(
-                np.float32, copy=False), draft.sources)
         confidence = draft.confidence.tolist()
         # best first; ties: parents (lower index) first; a host that verifies one chain gets the best path's nodes
         if budget.chain:  # the path's first max_depth nodes (depths 1, 2, ...), best first as they stand unless a
@@ -797,7 +770,7 @@ class DraftSizer:
             return Draft.empty(), [], option
         keep = sorted(order[:num_nodes])  # parents sort before children
         chosen = draft.select(np.array(keep, np.int64))
-        self._pending[request_id] = (chosen, [kinds[i] for i in keep], scale)
+        self._pending[request_id] = (chosen, [kinds[i] for i in keep])
         return chosen, keep, option
 
     def _best(self, sorted_probs: list[float], budget: Budget, extras) -> tuple[int, int]:
@@ -884,42 +857,15 @@ class DraftSizer:
                 fitted.append(Draft.empty())
                 continue
             cut = draft.select(np.array(keep, np.int64))
-            _, pending_kinds, scale = self._pending[request_id]
-            self._pending[request_id] = (cut, [pending_kinds[i] for i in keep], scale)
+            self._pending[request_id] = (cut, [self._pending[request_id][1][i] for i in keep])
             fitted.append(cut)
         return fitted
 
-    def request_scale(self, request_id: Hashable) -> float:
-        """``min(1, (A + q) / (E + q))``: what the request's judged nodes showed over what the calibrator
-        predicted for them (1.0 before any, and with ``request_strength=float('inf')``)."""
-        record = self._requests.get(request_id)
-        if record is None or math.isinf(self.request_strength):
-            return 1.0
-        strength = self.request_strength
-        return min(1.0, (record[0] + strength) / (record[1] + strength))
-
     def judge(self, request_id: Hashable, committed) -> None:
-        """Count the outcome of the request's last selected draft (``committed``: this step's tokens): per kind
-        for the calibrator, and in the request's own sums (which fade by one step whether it drafted or not)."""
-        record = self._requests.get(request_id)
-        if record is not None:
-            record[0] *= self._request_fade
-            record[1] *= self._request_fade
+        """Count the outcome of the request's last selected draft (``committed``: this step's tokens)."""
         pending = self._pending.pop(request_id, None)
-        if pending is None:
-            return
-        draft, kinds, scale = pending
-        judged = self.calibrator.judge(draft, kinds, committed)
-        if not judged or math.isinf(self.request_strength):
-            return
-        if record is None:
-            record = self._requests[request_id] = [0.0, 0.0]
-        confidence, parents = draft.confidence.tolist(), draft.parents.tolist()
-        for i, accepted in judged:  # a node's conditional probability, as calibrated: its path's over its parent's
-            above = 1.0 if parents[i] < 0 else confidence[parents[i]]
-            record[0] += accepted
-            record[1] += confidence[i] / (above * scale) if above > 0 else 0.0
+        if pending is not None:
+            self.calibrator.judge(*pending, committed)
 
     def forget(self, request_id: Hashable) -> None:
         self._pending.pop(request_id, None)
-        self._requests.pop(request_id, None)

@@ -113,9 +113,6 @@ class MixtureDrafter(Drafter):
     prior_cost_slope: the cost model's prior, ``c(n) = 1 + slope (n - 1)``.
     host_cost: price each step's time outside its forward, measured live, beside the forward's
         (``DraftSizer``); False sizes trees by the forward's cost alone.
-    request_strength: how many predicted nodes' worth of evidence a request's own acceptance needs before it
-        lowers that request's path probabilities (``DraftSizer.request_scale``); ``float('inf')``: the
-        calibrator's estimates alone.
     early_exit: self-draft with the target's own layers where no other source pays (see above).
     """
 
@@ -133,7 +130,7 @@ class MixtureDrafter(Drafter):
                  recycle_confidence: bool = True,
                  lookahead: bool | None = None, lookahead_window: int = 5, lookahead_ngram: int = 4,
                  lookahead_guesses: int = 5, flat_max_cost: float = 1.5, prior_cost_slope: float = 0.03,
-                 host_cost: bool = True, request_strength: float = 4.0, early_exit: bool = False):
+                 host_cost: bool = True, early_exit: bool = False):
         super().__init__()
         history = resolve_history(history_tokens, history_prompts, history)
         self.suffix = SuffixSource(min_match, max_depth, min_prob, max_occurrences, history)
@@ -155,7 +152,7 @@ class MixtureDrafter(Drafter):
         lookahead = not early_exit if lookahead is None else check_bool("lookahead", lookahead)
         self.lookahead = LookaheadSource(*lookahead_options) if lookahead else None
         self._top_k = self.recycle.top_k if self.recycle is not None else (1 if self.lookahead else 0)
-        self.sizer = DraftSizer(adaptive, prior_cost_slope, host_cost, request_strength)
+        self.sizer = DraftSizer(adaptive, prior_cost_slope, host_cost)
         self._pool_only: dict[Hashable, tuple[Draft, np.ndarray]] = {}  # request -> verified draft, pool-only nodes
         self.early_exit = EarlyExitDrafter() if early_exit else None
         self.needs_model = early_exit
