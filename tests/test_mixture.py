@@ -401,7 +401,7 @@ def _reference_known_points(model: CostModel) -> tuple[list[int], list[float]]:
 
 
 def _reference_curve(model: CostModel) -> list[float]:
-    """The curve as numpy draws it (np.interp between the pinned widths, np.maximum.accumulate): the twin of
+    """The curve as numpy draws it (np.interp between the pinned widths, as measured): the twin of
     ``CostModel._compute_curve``."""
     prior = np.asarray(model.prior_list())
     base_s = model._one_token_s()
@@ -412,8 +412,7 @@ def _reference_curve(model: CostModel) -> list[float]:
     assert got_at == known_at and np.array_equal(got_s, known_s, equal_nan=True)
     known = np.maximum(1.0, np.asarray(known_s) / base_s)
     known[0] = 1.0
-    curve = np.interp(np.arange(model.MAX_WIDTH, dtype=np.float64), np.asarray(known_at, np.float64),
-                      np.maximum.accumulate(known))
+    curve = np.interp(np.arange(model.MAX_WIDTH, dtype=np.float64), np.asarray(known_at, np.float64), known)
     last, highest = known_at[-1], float(known.max())
     if last > 0:
         slope = (highest - 1.0) / last
@@ -422,12 +421,12 @@ def _reference_curve(model: CostModel) -> list[float]:
             curve[last + 1:] = np.maximum(curve[last + 1:], prior[last + 1:])
     else:
         curve[1:] = prior[1:]
-    explored = {model._group[i] for i in known_at}
-    for i in range(model.OPTIMISTIC_UP_TO):
-        if model._group[i] not in explored:
-            curve[i] = min(curve[i], prior[i])
     curve[known_at] = known
-    return np.maximum.accumulate(curve).tolist()
+    explored = {model._group[i] for i in known_at}
+    for i in range(1, model.OPTIMISTIC_UP_TO):
+        if model._group[i] not in explored:
+            curve[i] = max(min(curve[i], prior[i]), curve[i - 1])
+    return curve.tolist()
 
 
 def test_cost_model_curve_is_numpys_bit_for_bit():
@@ -444,14 +443,32 @@ def test_cost_model_curve_is_numpys_bit_for_bit():
         assert model.curve_list() == _reference_curve(model)
 
 
-def test_cost_model_prior_until_measured_and_monotone():
+def test_cost_model_prior_until_measured_and_keeps_what_it_measured():
     model = CostModel(prior_slope=0.05)
     model.add(8, 0.1)  # no 1-token forward yet: still the prior
     assert model.cost(8) == pytest.approx(1.35)
     model.add(1, 0.1)
-    model.add(16, 0.05)  # faster than one token: noise, c stays >= 1 and non-decreasing
+    model.add(16, 0.05)  # faster than one token: noise, c stays >= 1
     curve = model.curve()
-    assert np.all(np.diff(curve) >= 0) and curve[0] == 1.0
+    assert np.all(curve >= 1.0) and curve[0] == 1.0
+    # a wider forward that costs less (kernels chosen by shape) keeps its value, and the sizer reads it
+    shaped = CostModel(window=8)
+    for width, ratio in ((1, 1.0), (2, 1.6), (3, 1.97), (4, 1.48), (8, 1.7), (16, 2.2)):
+        for _ in range(3):
+            shaped.add(width, 0.05 * ratio)
+    got = shaped.curve_list()
+    assert got[:4] == pytest.approx([1.0, 1.6, 1.97, 1.48]) and got[15] == pytest.approx(2.2)
+    assert got[9] == pytest.approx(1.7 + 2 * (2.2 - 1.7) / 8)  # between pinned widths: the line
+    assert got[4] == got[5] == pytest.approx(1.48)  # 5-6 not explored yet: optimistic, not below width 4
+    assert shaped.at_most(2) == pytest.approx(1.6) and shaped.at_most(4) == pytest.approx(1.97)  # up to 4 tokens
+    assert shaped.at_most(5) == pytest.approx(1.97) and shaped.at_most(17) == shaped.cost(17)  # none pinned above
+    sizer = DraftSizer(host_cost=False)
+    for width, ratio in ((1, 1.0), (2, 1.6), (3, 1.97), (4, 1.48), (8, 1.7), (16, 2.2)):
+        for _ in range(3):
+            sizer.on_forward(ForwardReport(("r",), (width,), 0.05 * ratio))
+    chain = Draft(np.arange(100, 103), np.arange(-1, 2), np.array([0.6, 0.2, 0.1], np.float32))
+    chosen = sizer.select("r", chain, [("k",)] * 3, Budget(24, 8))[0]
+    assert chosen.num_nodes == 3  # 1.9 / c(4) = 1.28 beats 1.6 / c(2) = 1.0 and 1 / c(1) (non-decreasing: none)
 
 
 def test_cost_model_redraws_its_curve_once_a_pinned_median_moves_more_than_redraw():
