@@ -556,6 +556,80 @@ def test_calibration_scales_a_sources_priors_by_its_judged_nodes():
         AcceptanceCalibrator(pool_strength=0)
 
 
+def test_a_request_refines_the_shared_estimate_of_its_kinds():
+    """``probability(kind, request=r)`` is ``(a + q p) / (n + q)``: ``p`` the shared estimate, ``a`` / ``n`` the
+    request's own accepted / judged nodes of the kind, faded per step of the request's (a plain twin here); a
+    kind the request never judged, a forgotten request and ``request_strength=inf`` read the shared one."""
+    rng = np.random.default_rng(3)
+    for strength in (4.0, 1.5, float("inf")):
+        calibrator, shared_only = AcceptanceCalibrator(request_strength=strength), AcceptanceCalibrator()
+        kind, untouched = calibrator.kind("suffix", 8, 1, 1.0), calibrator.kind("suffix", 3, 2, 0.5)
+        twins = {}  # request -> [accepted, seen, its step at the last update, its steps]
+        for _ in range(300):
+            request = ("copy", "chat")[int(rng.integers(2))]
+            accepted = bool(rng.random() < (0.95 if request == "copy" else 0.2))
+            calibrator.tick(request)
+            shared_only.tick()
+            twin = twins.get(request)
+            if twin is not None:
+                twin[3] += 1
+            calibrator.update(kind, accepted, request)
+            shared_only.update(kind, accepted)
+            if twin is None:
+                twins[request] = [float(accepted), 1.0, 0, 0]
+            else:
+                fade = 0.5 ** ((twin[3] - twin[2]) / 128.0)
+                twins[request] = [twin[0] * fade + accepted, twin[1] * fade + 1.0, twin[3], twin[3]]
+        shared = calibrator.probability(kind)
+        assert shared == shared_only.probability(kind)  # the shared counts see every request's nodes
+        for request, (accepted, seen, _, _) in twins.items():
+            expected = shared if math.isinf(strength) else (accepted + strength * shared) / (seen + strength)
+            assert calibrator.probability(kind, request=request) == pytest.approx(expected, rel=1e-12)
+            assert calibrator.probability(untouched, request=request) == calibrator.probability(untouched)
+        if math.isinf(strength):
+            assert not calibrator._requests
+            continue
+        assert calibrator.probability(kind, request="chat") < shared < calibrator.probability(kind, request="copy")
+        assert calibrator.probability(kind, request="chat") < 0.4 < 0.9 < calibrator.probability(kind, request="copy")
+        calibrator.forget("chat")
+        assert calibrator.probability(kind, request="chat") == shared and "chat" not in calibrator._requests
+    with pytest.raises(ValueError, match="request_strength"):
+        AcceptanceCalibrator(request_strength=0)
+    for bad in (0, -1.0, "4"):
+        with pytest.raises(ValueError, match="request_strength"):
+            MixtureDrafter(request_strength=bad)
+
+
+def test_two_requests_with_the_same_matches_draft_what_each_one_accepts():
+    """Two requests draft the same 12-token match each step; one request's matches are right, the other's wrong.
+    Priced by the shared estimates alone both get the same tree; with their own counts, the request whose matches
+    fail drafts less than the one whose matches hold, which keeps whole trees."""
+    chain = list(range(100, 124))
+    sizes = {}
+    for strength in (4.0, float("inf")):
+        drafter = MixtureDrafter(recycle=False, lookahead=False, request_strength=strength)
+        drafter._source_drafts = lambda request_id, budget: [("suffix", 12, Draft.chain(chain, score=1.0))]
+        for request in ("holds", "fails"):
+            drafter.start(request, PROMPT)
+        for width in (1, 4, 8, 13):
+            for _ in range(3):
+                drafter.on_forward(ForwardReport(("holds",), (width,), 0.05 * (1 + 0.06 * (width - 1))))
+        seen = {"holds": [], "fails": []}
+        for step in range(24):
+            for request, truth in (("holds", chain[:12] + [5]), ("fails", [7] if step % 2 else chain[:2] + [7])):
+                draft = drafter.propose(request, Budget(24, 12))
+                seen[request].append(draft.num_nodes)
+                drafter.extend(request, truth)
+        for request in ("holds", "fails"):
+            drafter.stop(request)
+        assert not drafter.calibrator._requests  # every request's counts went with it
+        sizes[strength] = seen
+    shared_alone, own = sizes[float("inf")], sizes[4.0]
+    assert shared_alone["holds"][-8:] == shared_alone["fails"][-8:] == [12] * 8  # the holding request's 13 a step
+    assert own["holds"][-8:] == [12] * 8
+    assert max(own["fails"][-8:]) < min(shared_alone["fails"][-8:])
+
+
 def test_choose_size():
     sizer = DraftSizer()  # prior cost c(n) = 1 + 0.03 (n - 1)
     chain = Draft.chain([5, 6, 7, 8])
