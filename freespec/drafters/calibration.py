@@ -513,16 +513,6 @@ class AcceptanceCalibrator:
     source the priors undersell wins its place in the tree before each of its
     kinds has counts of its own. ``pool_strength=float('inf')``: fixed priors.
 
-    A request's own outcomes refine the shared estimate where it asks with ``request=``: for a kind the
-    request has judged nodes of, ``(a + r * p) / (n + r)`` with ``r = request_strength``, ``p`` the shared
-    estimate and ``a`` / ``n`` the request's own accepted / judged nodes of that kind (faded with the same
-    half-life, in the request's own judged steps). Kinds are shared because most requests draft too few
-    nodes of one kind to learn it alone, but what a match is worth differs between requests: on
-    smollm2-135m float32 (Spec-Bench dev, 13 items) the shared estimates predicted 1.3-1.6 times the
-    nodes accepted on the prompts where drafting cost time (math, rag, a first writing prompt) and
-    0.93-0.97 times on those that copy (extraction, coding). ``forget(request)`` drops a request's counts;
-    ``request_strength=float('inf')``: the shared estimates alone.
-
     ``probability(kind("suffix", match_len=8, depth=1, frequency=1.0))`` is the
     prior, 8 / (8 + 2) = 0.8, until ``update`` says otherwise.
     """
@@ -530,15 +520,12 @@ class AcceptanceCalibrator:
     MATCH_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # bucket b holds match lengths in [EDGES[b-1], EDGES[b])
     FREQ_EDGES = (0.2, 0.4, 0.6, 0.8, 0.999)
 
-    def __init__(self, prior_strength: float = 2.0, half_life: float = 128.0, pool_strength: float = 16.0,
-                 request_strength: float = 4.0):
-        if not prior_strength > 0 or not half_life > 0 or not pool_strength > 0 or not request_strength > 0:
-            raise ValueError(f"need prior_strength, half_life, pool_strength and request_strength > 0, got "
-                             f"{prior_strength!r}, {half_life!r}, {pool_strength!r}, {request_strength!r}")
+    def __init__(self, prior_strength: float = 2.0, half_life: float = 128.0, pool_strength: float = 16.0):
+        if not prior_strength > 0 or not half_life > 0 or not pool_strength > 0:
+            raise ValueError(f"need prior_strength, half_life and pool_strength > 0, got {prior_strength!r}, "
+                             f"{half_life!r}, {pool_strength!r}")
         self.prior_strength, self.half_life = float(prior_strength), float(half_life)
-        self.pool_strength, self.request_strength = float(pool_strength), float(request_strength)
-        # request -> [its judged steps, {kind: [accepted, seen, its step at the last update]}]
-        self._requests: dict[Hashable, list] = {}
+        self.pool_strength = float(pool_strength)
         self._counts: dict[tuple, list[float]] = {}  # kind -> [accepted, seen, clock at the last update]
         self._pools: dict[Hashable, list[float]] = {}  # source -> [accepted, sum of base priors, clock]
         self._given: dict[tuple, float] = {}  # base priors passed to ``probability`` (kinds ``prior`` cannot read)
@@ -577,21 +564,9 @@ class AcceptanceCalibrator:
         accepted, expected = self._faded(source, self._pools)
         return (accepted + self.pool_strength) / (expected + self.pool_strength)
 
-    def probability(self, kind: tuple, prior: float | None = None, request: Hashable = None) -> float:
+    def probability(self, kind: tuple, prior: float | None = None) -> float:
         """The estimate for ``kind``; ``prior`` replaces ``self.prior(kind)`` as its base prior (for kinds
-        ``prior`` does not read, e.g. recycled nodes'); the source's ``scale`` multiplies it. With ``request``,
-        refined by that request's own judged nodes of the kind (see the class)."""
-        shared = self._shared(kind, prior)
-        if request is None:
-            return shared
-        found = self._requests.get(request)
-        counts = None if found is None else found[1].get(kind)
-        if counts is None:
-            return shared
-        fade = 0.5 ** ((found[0] - counts[2]) / self.half_life)
-        return (counts[0] * fade + self.request_strength * shared) / (counts[1] * fade + self.request_strength)
-
-    def _shared(self, kind: tuple, prior: float | None) -> float:
+        ``prior`` does not read, e.g. recycled nodes'); the source's ``scale`` multiplies it."""
         if prior is not None:
             self._given[kind] = prior
         if self._memo_clock != self.clock:
@@ -631,18 +606,7 @@ class AcceptanceCalibrator:
                 out[i] = (accepted + strength * min(0.95, priors[i] * scale)) / (seen + strength)
         return out
 
-    def update(self, kind: tuple, accepted: bool, request: Hashable = None) -> None:
-        """One judged node of ``kind`` (of ``request``'s, which then counts it apart too)."""
-        if request is not None and not math.isinf(self.request_strength):
-            found = self._requests.get(request)
-            if found is None:
-                found = self._requests[request] = [0, {}]
-            counts = found[1].get(kind)
-            if counts is None:
-                found[1][kind] = [float(accepted), 1.0, found[0]]
-            else:
-                fade = 0.5 ** ((found[0] - counts[2]) / self.half_life)
-                found[1][kind] = [counts[0] * fade + accepted, counts[1] * fade + 1.0, found[0]]
+    def update(self, kind: tuple, accepted: bool) -> None:
         if self._memo or self._scales:
             self._forget_memo()
         old_accepted, old_seen = self._faded(kind)
@@ -651,28 +615,20 @@ class AcceptanceCalibrator:
         pool_accepted, pool_expected = self._faded(kind[0], self._pools)
         self._pools[kind[0]] = [pool_accepted + float(accepted), pool_expected + prior, self.clock]
 
-    def tick(self, request: Hashable = None) -> None:
-        """One more step judged (``update`` calls of one step share a tick), of ``request``'s if given."""
+    def tick(self) -> None:
+        """One more step judged (``update`` calls of one step share a tick)."""
         self.clock += 1
-        found = None if request is None else self._requests.get(request)
-        if found is not None:
-            found[0] += 1
 
-    def forget(self, request: Hashable) -> None:
-        """Drop ``request``'s own counts (it finished)."""
-        self._requests.pop(request, None)
-
-    def judge(self, draft: Draft, kinds: list, committed, request: Hashable = None) -> None:
+    def judge(self, draft: Draft, kinds: list, committed) -> None:
         """One step's outcome: for each candidate whose parent was accepted, was it accepted too?
 
         The committed tokens are the accepted path followed by the bonus token;
         a node at depth d is judged against ``committed[d - 1]`` (if committed
         stopped earlier, e.g. at EOS, deeper nodes are not judged). ``kinds[i]``
-        is node ``i``'s kind (not-candidate nodes are never judged). ``request``: whose step it was (its own
-        counts, see the class).
+        is node ``i``'s kind (not-candidate nodes are never judged).
         """
         committed = np.asarray(committed).tolist()
-        self.tick(request)
+        self.tick()
         num_nodes, num_committed = draft.num_nodes, len(committed)
         accepted, depths = [False] * num_nodes, [0] * num_nodes
         is_candidate = None if draft.is_candidate is None else draft.is_candidate.tolist()
@@ -682,18 +638,17 @@ class AcceptanceCalibrator:
                     or depth > num_committed:
                 continue
             accepted[i] = committed[depth - 1] == token
-            self.update(kinds[i], accepted[i], request)
+            self.update(kinds[i], accepted[i])
 
 
 def calibrate_lookup(calibrator: AcceptanceCalibrator, source: str, match_len: int,
-                     draft: Draft, request: Hashable = None) -> tuple[Draft, list[tuple]]:
+                     draft: Draft) -> tuple[Draft, list[tuple]]:
     """A lookup source's tree with calibrated path probabilities as confidence, and each node's kind.
 
     ``draft.confidence`` holds raw frequencies (a path's share of the match's
     occurrences); a node's kind is ``calibrator.kind(source, match_len, depth,
     its frequency over its parent's)`` and its path probability the product of
-    its kinds' probabilities along the path (``request``'s estimates, where given). Sources are labelled
-    ``source``.
+    its kinds' probabilities along the path. Sources are labelled ``source``.
     """
     num_nodes = draft.num_nodes
     raw = [1.0] * num_nodes if draft.confidence is None else draft.confidence.tolist()
@@ -711,7 +666,7 @@ def calibrate_lookup(calibrator: AcceptanceCalibrator, source: str, match_len: i
         kind = kind_of(source, match_len, depth, frequency)
         probability = probability_of.get(kind)
         if probability is None:
-            probability = probability_of[kind] = probability_for(kind, None, request)
+            probability = probability_of[kind] = probability_for(kind)
         depths[i], kinds[i], path_probs[i] = depth, kind, probability * above
     scored = draft.rescored(np.asarray(path_probs, np.float32), (source,) * num_nodes)
     if "_depths" not in scored.__dict__:  # the walk above has them: spare the draft its depth kernel
@@ -744,17 +699,13 @@ class DraftSizer:
     k=3 2.8/1.09=2.57, k=4 2.82/1.12=2.52, so three nodes are proposed.
 
     adaptive: False fills the budget instead (the largest extra option that fits, then candidates).
-    request_strength: the calibrator's weight on its shared estimate against a request's own counts.
-    Shared across requests: numbers about the model and the machine, no tokens; per request (dropped by
-    ``forget``): its pending draft and its own acceptance counts per kind.
+    Shared across requests: numbers about the model and the machine, no tokens.
     """
 
-    def __init__(self, adaptive: bool = True, prior_cost_slope: float = 0.03, host_cost: bool = True,
-                 request_strength: float = 4.0):
+    def __init__(self, adaptive: bool = True, prior_cost_slope: float = 0.03, host_cost: bool = True):
         self.adaptive = check_bool("adaptive", adaptive)
         self.cost_model = BatchCostModel(prior_slope=check_number("prior_cost_slope", prior_cost_slope, 0.0))
-        self.calibrator = AcceptanceCalibrator(
-            request_strength=check_number("request_strength", request_strength, 0.0, low_open=True))
+        self.calibrator = AcceptanceCalibrator()
         self.host_cost = check_bool("host_cost", host_cost)
         self.host_models: dict[int, HostCostModel] = {}  # batch bucket -> h(k), the step's time outside its forward
         self._step_costs: dict[int, list[float]] = {}  # bucket -> c(w) + h(w - 1) / t1, until the next forward
@@ -927,8 +878,7 @@ class DraftSizer:
         """Count the outcome of the request's last selected draft (``committed``: this step's tokens)."""
         pending = self._pending.pop(request_id, None)
         if pending is not None:
-            self.calibrator.judge(*pending, committed, request_id)
+            self.calibrator.judge(*pending, committed)
 
     def forget(self, request_id: Hashable) -> None:
         self._pending.pop(request_id, None)
-        self.calibrator.forget(request_id)

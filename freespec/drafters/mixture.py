@@ -113,9 +113,6 @@ class MixtureDrafter(Drafter):
     prior_cost_slope: the cost model's prior, ``c(n) = 1 + slope (n - 1)``.
     host_cost: price each step's time outside its forward, measured live, beside the forward's
         (``DraftSizer``); False sizes trees by the forward's cost alone.
-    request_strength: a request's own judged nodes refine the shared acceptance estimates of its lookup
-        nodes' kinds, with this weight on the shared one (``AcceptanceCalibrator``); ``float('inf')``: shared
-        estimates alone.
     early_exit: self-draft with the target's own layers where no other source pays (see above).
     """
 
@@ -133,7 +130,7 @@ class MixtureDrafter(Drafter):
                  recycle_confidence: bool = True,
                  lookahead: bool | None = None, lookahead_window: int = 5, lookahead_ngram: int = 4,
                  lookahead_guesses: int = 5, flat_max_cost: float = 1.5, prior_cost_slope: float = 0.03,
-                 host_cost: bool = True, request_strength: float = 4.0, early_exit: bool = False):
+                 host_cost: bool = True, early_exit: bool = False):
         super().__init__()
         history = resolve_history(history_tokens, history_prompts, history)
         self.suffix = SuffixSource(min_match, max_depth, min_prob, max_occurrences, history)
@@ -155,7 +152,7 @@ class MixtureDrafter(Drafter):
         lookahead = not early_exit if lookahead is None else check_bool("lookahead", lookahead)
         self.lookahead = LookaheadSource(*lookahead_options) if lookahead else None
         self._top_k = self.recycle.top_k if self.recycle is not None else (1 if self.lookahead else 0)
-        self.sizer = DraftSizer(adaptive, prior_cost_slope, host_cost, request_strength)
+        self.sizer = DraftSizer(adaptive, prior_cost_slope, host_cost)
         self._pool_only: dict[Hashable, tuple[Draft, np.ndarray]] = {}  # request -> verified draft, pool-only nodes
         self.early_exit = EarlyExitDrafter() if early_exit else None
         self.needs_model = early_exit
@@ -291,7 +288,7 @@ class MixtureDrafter(Drafter):
         """Every source's tree with calibrated path probabilities as confidence, and its nodes' kinds
         (recycling's and the pool's only where ``flat``)."""
         lookups = self._source_drafts(request_id, budget)
-        scored = [calibrate_lookup(self.calibrator, *source, request_id) for source in lookups]
+        scored = [calibrate_lookup(self.calibrator, *source) for source in lookups]
         if not flat:  # the sources that read the model run only where verification is nearly flat
             return [(draft, kinds) for draft, kinds in scored if draft.num_nodes]
         longest = max((match_len for _, match_len, _ in lookups), default=0)
@@ -300,7 +297,7 @@ class MixtureDrafter(Drafter):
         if self.lookahead is not None:
             root = int(self.context(request_id)[-1])
             scored.append(calibrate_lookup(self.calibrator, "lookahead", 1,
-                                           self.lookahead.candidates(request_id, root, budget), request_id))
+                                           self.lookahead.candidates(request_id, root, budget)))
         return [(draft, kinds) for draft, kinds in scored if draft.num_nodes]
 
     def _propose(self, request_id, budget: Budget) -> Draft:
