@@ -59,7 +59,8 @@ class CostModel:
     shape, and on smollm2-135m in float32 on one thread of an AMX Xeon (``freespec bench``'s
     probe, 64- and 200-token prefixes) c(2) = 1.6 and c(3) = 1.97 but c(4) = 1.48; made
     non-decreasing, that curve priced 4 to 8 tokens at 1.97, and the sizer fed 15 nodes
-    (c(16) = 2.2) where 3 nodes at 1.48 paid more. An unpinned width is never read below
+    (c(16) = 2.2) where it would have priced 3 nodes at 1.48 (tokens/s measured the same either
+    way there: docs/experiments.md). An unpinned width is never read below
     its lower neighbour, and the curve is extrapolated past ``MAX_WIDTH``; forwards of
     more than ``MAX_WIDTH`` tokens (prefills) are ignored.
     The curve is drawn when asked for after a change that matters: a width pinned (or
