@@ -744,7 +744,8 @@ class DraftSizer:
             a, b = host.fit()
             if a or b:
                 a, b = a / one_token_s, b / one_token_s
-                costs = [cost + a + b * nodes for nodes, cost in enumerate(costs)]
+                # the widths asked for only (9 under vLLM's K = 8, not the curve's 129): a later, wider ask redraws
+                costs = [cost + a + b * nodes for nodes, cost in enumerate(costs[:num_nodes + 1])]
         self._step_costs[bucket] = costs
         return costs
 
