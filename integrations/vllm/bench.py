@@ -23,7 +23,9 @@ own time). Writes ``results.json`` and ``table.md`` and prints the tables.
 
 ``--soak N`` sends N short requests from 16 concurrent clients through ``vllm serve`` with freespec (every
 tenth a stream closed after two chunks, which vLLM aborts; every other one with a ``prediction``), and
-reports every request's fate, the server's memory and the proposer's live requests before and after.
+reports every request's fate, the server's memory before, at each quarter and after, and the proposer's live
+requests before and after; ``--soak-method vanilla`` runs the same requests through plain vLLM, the
+baseline that says how much of the memory's growth is vLLM's own.
 
 ``--propose-cost`` measures instead what each proposer's ``propose()`` costs on the engine's critical
 path (it runs between two forwards): vLLM's ``NgramProposer``, its ``SuffixDecodingProposer`` (where
@@ -346,32 +348,42 @@ def served(model_dir: str, log_path: Path, stats_path: Path, *args: str, timeout
 
 
 def soak(model_dir: str, num_requests: int, clients: int, out: Path, spec_bench: str, max_tokens: int = 16,
-         abort_every: int = 10) -> dict:
-    """``vllm serve`` with freespec's proposer, ``num_requests`` from ``clients`` concurrent clients: short
-    prompts (Spec-Bench questions and code-edit requests, cut to 400 characters, so the run is about many
-    requests, not long prefills), every other with the prompt as a ``prediction``, every
+         abort_every: int = 10, method: str = "freespec", checkpoints: int = 4) -> dict:
+    """``vllm serve`` with ``method``'s speculation (``METHODS``; "vanilla": plain vLLM, the baseline whose memory
+    the others' is read against), ``num_requests`` from ``clients`` concurrent clients: short prompts
+    (Spec-Bench questions and code-edit requests, cut to 400 characters, so the run is about many requests, not
+    long prefills), every other with the prompt as a ``prediction`` (a key other methods ignore), every
     ``abort_every``-th a stream closed after two chunks (vLLM aborts it). Reports every request's fate
-    (answered, aborted, failed), the server's memory (RSS of its processes) and the proposer's counters
-    (live requests, errors) after a warm-up request and after the last."""
+    (answered, aborted, failed), the server's memory (RSS of its processes) after a warm-up request, after each
+    ``num_requests / checkpoints`` requests (``rss_mb_after``: a leak grows at every step, a cache filling its
+    reserved pages levels off) and after the last, and freespec's proposer counters (live requests, errors)."""
     import threading
 
     import psutil
 
     from freespec.bench.datasets import load_dataset
 
-    stats_path = out / "soak-proposer-stats.json"
-    spec = {**METHODS["freespec"], "num_speculative_tokens": 8}
-    with served(model_dir, out / "soak-server.log", stats_path, "--dtype", "float32", "--enforce-eager",
-                "--max-model-len", "2048", "--speculative-config", json.dumps(spec)) as (client, server):
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    stats_path = out / f"soak-{method}-proposer-stats.json"
+    spec = ["--speculative-config", json.dumps({**METHODS[method], "num_speculative_tokens": 8})] \
+        if METHODS[method] is not None else []
+    with served(model_dir, out / f"soak-{method}-server.log", stats_path, "--dtype", "float32", "--enforce-eager",
+                "--max-model-len", "2048", *spec) as (client, server):
         def rss() -> int:
             procs = [psutil.Process(server.pid)] + psutil.Process(server.pid).children(recursive=True)
             return sum(p.memory_info().rss for p in procs if p.is_running())
 
+        def proposer_stats():
+            return idle_proposer_stats(stats_path) if method == "freespec" else None
+
         prompts = [item.turns[0][:400] for item in load_dataset(spec_bench) + load_dataset("builtin:code-edit")]
         client.completions.create(model="model", prompt=prompts[0], max_tokens=max_tokens)  # warm
-        before = {"rss_mb": rss() / 2**20, "proposer": idle_proposer_stats(stats_path)}
+        before = {"rss_mb": rss() / 2**20, "proposer": proposer_stats()}
         outcome = {"answered": 0, "aborted": 0, "failed": 0}
         lock, next_index = threading.Lock(), [0]
+        every = max(1, num_requests // max(1, checkpoints))
+        trail: list = []  # [requests done, server RSS MB] at each checkpoint
 
         def worker():
             while True:
@@ -399,6 +411,9 @@ def soak(model_dir: str, num_requests: int, clients: int, out: Path, spec_bench:
                     kind = "failed"
                 with lock:
                     outcome[kind] += 1
+                    done = sum(outcome.values())
+                    if done % every == 0 and done < num_requests:
+                        trail.append([done, round(rss() / 2**20, 1)])
 
         begin = time.time()
         threads = [threading.Thread(target=worker) for _ in range(clients)]
@@ -407,10 +422,10 @@ def soak(model_dir: str, num_requests: int, clients: int, out: Path, spec_bench:
         for thread in threads:
             thread.join()
         seconds = time.time() - begin
-        after = {"rss_mb": rss() / 2**20, "proposer": idle_proposer_stats(stats_path)}
-    result = {"requests": num_requests, "clients": clients, "seconds": seconds, **outcome,
-              "before": before, "after": after}
-    (out / "soak.json").write_text(json.dumps(result, indent=1))
+        after = {"rss_mb": rss() / 2**20, "proposer": proposer_stats()}
+    result = {"method": method, "requests": num_requests, "clients": clients, "seconds": seconds, **outcome,
+              "before": before, "rss_mb_after": trail, "after": after}
+    (out / f"soak-{method}.json").write_text(json.dumps(result, indent=1))
     return result
 
 
@@ -462,6 +477,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-len", type=int, default=1024, help="--propose-cost: prompt tokens")
     parser.add_argument("--steps", type=int, default=200, help="--propose-cost: steps per batch size")
     parser.add_argument("--soak", type=int, metavar="N", help="N requests through vllm serve instead (16 clients)")
+    parser.add_argument("--soak-method", default="freespec", choices=list(METHODS),
+                        help="--soak: the speculation the server runs (vanilla: plain vLLM, the memory baseline)")
     parser.add_argument("--run-method", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--prompts", help=argparse.SUPPRESS)
@@ -491,8 +508,8 @@ def main(argv=None) -> int:
 
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        print(json.dumps(soak(str(models.local_dir(args.model)), args.soak, 16, out, args.spec_bench_path),
-                         indent=1))
+        print(json.dumps(soak(str(models.local_dir(args.model)), args.soak, 16, out, args.spec_bench_path,
+                              method=args.soak_method), indent=1))
         return 0
     counts = {"code-edit": args.code_edit, "spec-bench": args.spec_bench}
     workloads = args.workloads.split(",")
