@@ -1,6 +1,7 @@
 """Every registered drafter serves many short requests without growing, and keeps each request's text to it.
 
-Soak: 10,000 requests (24-token prompts, 4-token outputs cut from standard-library source) through
+Soak: 10,000 requests (24-token prompts, 4-token outputs cut from standard-library source; every 16th
+with a document, every other with a prediction, where the drafter takes them) through
 each drafter of ``freespec.drafters.available()``, 8 live at a time with one ``ForwardReport`` per
 simulated forward (``freespec.testing.streams.serve``), no model. Memory is the process's resident set
 (``/proc/self/statm``) after ``gc.collect()`` and glibc's ``malloc_trim(0)``, read every 2,000
@@ -90,13 +91,22 @@ def _documents(j, stream):
     return [stream[0][::-1].copy()] if j % 16 == 0 else None  # every 16th request brings a document
 
 
+def _predictions(j, stream):
+    # every other request predicts its output with a token changed, as a served request's prediction does
+    if j % 2 == 0:
+        return None
+    predicted = np.concatenate([stream[1], stream[0][:8]])
+    predicted[len(predicted) // 2] += 1
+    return predicted
+
+
 def _soak(name: str, num_requests: int, checkpoint: int, prompt_len: int, output_len: int):
     drafter = make(name, **SOAK_OPTIONS.get(name, {}))
     drafter.warmup()
     rss = []
     for start in range(0, num_requests, checkpoint):
         serve(drafter, code_streams(checkpoint, prompt_len, output_len, start=start), documents=_documents,
-              request_ids=((name, start + j) for j in range(checkpoint)))
+              predictions=_predictions, request_ids=((name, start + j) for j in range(checkpoint)))
         rss.append(resident_bytes())
     assert not drafter._contexts
     leftover = request_keys(drafter, lambda key: isinstance(key, tuple) and len(key) == 2 and key[0] == name)

@@ -61,11 +61,13 @@ def draft_paths(draft: Draft) -> frozenset:
 
 def serve(drafter, streams: Iterable[Stream], live: int = 8, config: SpecConfig | None = None,
           keep_drafts: bool = False, documents: Callable[[int, Stream], list] | None = None,
-          request_ids: Iterator[Hashable] | None = None, forward_s: float = 0.01) -> dict:
+          request_ids: Iterator[Hashable] | None = None, forward_s: float = 0.01,
+          predictions: Callable[[int, Stream], np.ndarray | None] | None = None) -> dict:
     """Drive every stream through ``drafter``, ``live`` requests at a time (see the module docstring).
 
     ``documents(j, stream)``: documents for request ``j`` (drafters with
-    ``accepts_documents``), or None. ``request_ids``: the ids to give requests
+    ``accepts_documents``), or None; ``predictions(j, stream)``: its predicted
+    output's token ids (drafters with ``accepts_prediction``), or None. ``request_ids``: the ids to give requests
     (default ``("serve", j)``). Each simulated forward takes ``forward_s`` plus
     0.1 ms per node of the widest row, reported through ``on_forward``;
     drafters with ``observe_top_k`` get ``observe`` with the recorded tokens.
@@ -89,6 +91,9 @@ def serve(drafter, streams: Iterable[Stream], live: int = 8, config: SpecConfig 
             docs = documents(j, stream) if documents is not None and drafter.accepts_documents else None
             if docs:
                 drafter.add_documents(request_id, docs)
+            predicted = predictions(j, stream) if predictions is not None and drafter.accepts_prediction else None
+            if predicted is not None:
+                drafter.add_prediction(request_id, predicted)
             request = ReplayedRequest(drafter, request_id, prompt, output, output.shape[0] + 1, config,
                                       observe_truth=True)
             if request.done:  # nothing to generate
