@@ -610,11 +610,20 @@ class AcceptanceCalibrator:
     def update(self, kind: tuple, accepted: bool) -> None:
         if self._memo or self._scales:
             self._forget_memo()
-        old_accepted, old_seen = self._faded(kind)
-        self._counts[kind] = [old_accepted + float(accepted), old_seen + 1.0, self.clock]
-        prior = self._given[kind] if kind in self._given else self.prior(kind)
+        clock = self.clock
+        old = self._counts.get(kind)  # as _faded reads it (faded by 1.0, exactly, when judged at this clock)
+        if old is None:
+            self._counts[kind] = [float(accepted), 1.0, clock]
+        elif old[2] == clock:
+            old[0] += float(accepted)
+            old[1] += 1.0
+        else:
+            fade = 0.5 ** ((clock - old[2]) / self.half_life)
+            self._counts[kind] = [old[0] * fade + float(accepted), old[1] * fade + 1.0, clock]
+        given = self._given.get(kind)
+        prior = given if given is not None else self.prior(kind)
         pool_accepted, pool_expected = self._faded(kind[0], self._pools)
-        self._pools[kind[0]] = [pool_accepted + float(accepted), pool_expected + prior, self.clock]
+        self._pools[kind[0]] = [pool_accepted + float(accepted), pool_expected + prior, clock]
 
     def tick(self) -> None:
         """One more step judged (``update`` calls of one step share a tick)."""
@@ -656,7 +665,9 @@ def calibrate_lookup(calibrator: AcceptanceCalibrator, source: str, match_len: i
     depths, path_probs, kinds = [0] * num_nodes, [0.0] * num_nodes, [None] * num_nodes
     probability_of: dict[tuple, float] = {}  # kind -> its probability (a tree has few kinds; counts stay put here)
     probability_for = calibrator.probability
-    kind_of = calibrator.kind
+    # calibrator.kind(source, match_len, depth, frequency), inlined: it runs once per node
+    match_edges, freq_edges = calibrator.MATCH_EDGES, calibrator.FREQ_EDGES
+    effective = match_len - 1 if match_len > 0 else None  # + depth: the match bucket's input
     for i, parent in enumerate(draft.parents.tolist()):  # topological: a parent's depth and path come first
         if parent < 0:
             depth, frequency, above = 1, raw[i], 1.0
@@ -664,7 +675,8 @@ def calibrate_lookup(calibrator: AcceptanceCalibrator, source: str, match_len: i
             parent_raw = raw[parent]
             depth, above = depths[parent] + 1, path_probs[parent]
             frequency = raw[i] / parent_raw if parent_raw > 0 else 0.0
-        kind = kind_of(source, match_len, depth, frequency)
+        kind = (source, bisect.bisect_right(match_edges, 0 if effective is None else effective + depth),
+                bisect.bisect_left(freq_edges, frequency))
         probability = probability_of.get(kind)
         if probability is None:
             probability = probability_of[kind] = probability_for(kind)
@@ -769,8 +781,12 @@ class DraftSizer:
         confidence = draft.confidence.tolist()
         # best first; ties: parents (lower index) first; a host that verifies one chain gets the best path's nodes
         if budget.chain:  # the path's first max_depth nodes (depths 1, 2, ...), best first as they stand unless a
-            order = best_path(draft.parents.tolist(), confidence,  # node outscores its parent (never, calibrated)
-                              None if draft.is_candidate is None else draft.is_candidate.tolist())[:budget.max_depth]
+            parents = draft.parents.tolist()  # node outscores its parent (never, calibrated)
+            if draft.is_candidate is None and parents == list(range(-1, len(parents) - 1)):  # a chain: its own path
+                order = list(range(min(len(parents), budget.max_depth)))
+            else:
+                order = best_path(parents, confidence, None if draft.is_candidate is None
+                                  else draft.is_candidate.tolist())[:budget.max_depth]
             probs = [confidence[i] for i in order]
             if any(above < below for above, below in zip(probs, probs[1:])):
                 order = sorted(order, key=lambda i: (-confidence[i], i))
