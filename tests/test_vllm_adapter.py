@@ -216,6 +216,23 @@ def test_rows_follow_requests_as_they_move(monkeypatch):
     assert prop.num_live_requests == 0 and not drafter._contexts
 
 
+def test_a_step_syncs_every_row_before_drafting_any(monkeypatch):
+    """As generate() does a step: every request's committed tokens reach the drafter, then the drafts are made
+    (each draft sees every outcome of the step)."""
+
+    class Ordered(Recording):
+        def _propose(self, request_id, budget):
+            self.events.append(("propose", request_id))
+            return super()._propose(request_id, budget)
+
+    drafter = Ordered()
+    prop, runner = _proposer(monkeypatch, drafter)
+    runner.step({"a": [1, 2], "b": [5, 6]}, {"a": [2], "b": [6]})
+    drafter.events.clear()
+    runner.step({"a": [1, 2, 3], "b": [5, 6, 7]}, {"a": [3], "b": [7]})
+    assert drafter.events == [("extend", "a", [3]), ("extend", "b", [7]), ("propose", "a"), ("propose", "b")]
+
+
 def test_exits_release_state_even_without_a_propose(monkeypatch):
     drafter = Recording()
     prop, runner = _proposer(monkeypatch, drafter)
@@ -297,6 +314,17 @@ def test_stats_file(monkeypatch, tmp_path):
     runner.step({}, {}, finished=["a"])
     stats = json.loads(path.read_text())
     assert stats["live_requests"] == 0 and stats["starts"] == 1 and stats["errors"] == 0
+    assert stats["history_tokens"] is None and stats["process_rss_mb"] > 10  # Recording keeps no history
+
+
+def test_stats_report_the_history(monkeypatch):
+    """The history's size is in the counters: a server's memory can be read against what the drafter holds."""
+    prop, runner = _proposer(monkeypatch, options.build_drafter(options.VllmOptions("mixture", {}, False, "t")))
+    runner.step({"a": [1, 2, 3]}, {"a": [3]})
+    runner.step({"a": [1, 2, 3, 4, 5]}, {"a": [4, 5]})
+    runner.step({}, {}, finished=["a"])
+    stats = prop.stats()
+    assert stats["history_tokens"] == 3 and 0 < stats["history_bytes"] < 2**20  # the output and its separator
 
 
 def _naive_best_path(parents, confidence, is_candidate):

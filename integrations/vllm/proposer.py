@@ -35,7 +35,8 @@ Per-request state follows vLLM's requests through ``HostRequests`` (the
 lifecycle shared with the SGLang plugin): started from the row's whole sequence
 the first time a request has a committed token, extended with exactly the
 tokens vLLM committed (``num_tokens_no_spec`` grows by ``len(sampled)``),
-restarted where the two disagree, released on every exit.
+restarted where the two disagree, released on every exit. A step brings every row's request up to
+date before it drafts for any (as ``generate()`` does), so each draft reads every outcome of the step.
 
 Nothing here may take the engine down: an exception while drafting for one
 request costs that request this step's draft and its state (it restarts next
@@ -172,26 +173,37 @@ class Proposer:
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         fed_ids, fed_tokens = [], []
         num_tokens_of = np.asarray(num_tokens_no_spec[:len(sampled_token_ids)]).tolist()
-        for i in rows:
+        synced = []  # every row's committed tokens first, then the drafts (as generate() does a step): each
+        for i in rows:  # draft sees every outcome of the step, and the calibrator's estimates hold across rows
             req_id = req_ids[i]
-            num_tokens = num_tokens_of[i]
             try:
-                drafts[i] = self._draft_row(req_id, i, len(sampled_token_ids[i]), num_tokens, token_ids_cpu,
-                                            budget_rows)
+                self._sync_row(req_id, i, len(sampled_token_ids[i]), num_tokens_of[i], token_ids_cpu)
+                synced.append(i)
             except Exception as exc:  # this request drafts nothing this step, and restarts at the next
                 self._error(f"request:{type(exc).__name__}", exc, req_id)
                 self.requests.discard(req_id)
-            fed_ids.append(req_id)
+        for i in synced:
+            req_id = req_ids[i]
+            try:
+                drafts[i] = self._draft_row(req_id, num_tokens_of[i], budget_rows)
+            except Exception as exc:  # as above
+                self._error(f"request:{type(exc).__name__}", exc, req_id)
+                self.requests.discard(req_id)
+        for i in rows:
+            fed_ids.append(req_ids[i])
             fed_tokens.append(1 + len(drafts[i]))
         self._last_rows = (tuple(fed_ids), tuple(fed_tokens))
         self._count(sum(len(d) for d in drafts), len(rows))
         return drafts
 
-    def _draft_row(self, req_id: Hashable, row: int, num_sampled: int, num_tokens: int, token_ids_cpu,
-                   batch_size: int) -> list[int]:
-        max_depth = min(self.num_speculative_tokens, self.max_model_len - num_tokens - 1)
+    def _sync_row(self, req_id: Hashable, row: int, num_sampled: int, num_tokens: int, token_ids_cpu) -> None:
+        """The request's drafter state brought to the row's ``num_tokens`` committed tokens."""
         tail = token_ids_cpu[row, max(0, num_tokens - num_sampled - TAIL_OVERLAP):num_tokens].tolist()
         self.requests.sync(req_id, tail, num_tokens, lambda: token_ids_cpu[row, :num_tokens].copy())
+
+    def _draft_row(self, req_id: Hashable, num_tokens: int, batch_size: int) -> list[int]:
+        """A synced request's chain of draft ids."""
+        max_depth = min(self.num_speculative_tokens, self.max_model_len - num_tokens - 1)
         if max_depth <= 0:
             return []
         draft = self.drafter.propose(req_id, self._budget(max_depth, batch_size))
@@ -243,10 +255,16 @@ class Proposer:
             self._error("release", exc)
 
     def stats(self) -> dict:
-        """Serving counters: live requests, starts, restarts, steps, drafted tokens, errors."""
+        """Serving counters: live requests, starts, restarts, steps, drafted tokens, errors; the request
+        history's size (tokens and bytes allocated; None without one) and this process's resident MB (None
+        where ``/proc`` is not there), so a server's growth can be told apart from the drafter's."""
+        history = getattr(self.drafter, "history", None)
         return {"live_requests": len(self.requests), "starts": self.requests.num_starts,
                 "restarts": self.requests.num_restarts, "steps": self.num_steps, "rows": self.num_rows,
-                "drafted_tokens": self.num_drafted, "errors": self.num_errors, "hint_errors": self.num_hint_errors}
+                "drafted_tokens": self.num_drafted, "errors": self.num_errors, "hint_errors": self.num_hint_errors,
+                "history_tokens": None if history is None else history.num_tokens,
+                "history_bytes": None if history is None else history.nbytes,
+                "process_rss_mb": _resident_mb()}
 
     def write_stats(self, path: str) -> None:
         """``stats()`` as JSON at ``path`` (replaced atomically); the proposer writes it after requests leave
@@ -305,6 +323,15 @@ class Proposer:
         self.num_drafted += num_drafted
         if self.num_steps % LOG_EVERY == 0:
             logger.info("freespec: %s", self.stats())
+
+
+def _resident_mb() -> float | None:
+    """This process's resident memory in MB (Linux ``/proc/self/statm``), or None."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return round(int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _find_holder(proposer, max_frames: int = 8):
