@@ -355,8 +355,10 @@ def soak(model_dir: str, num_requests: int, clients: int, out: Path, spec_bench:
     long prefills), every other with the prompt as a ``prediction`` (a key other methods ignore), every
     ``abort_every``-th a stream closed after two chunks (vLLM aborts it). Reports every request's fate
     (answered, aborted, failed), the server's memory (RSS of its processes) after a warm-up request, after each
-    ``num_requests / checkpoints`` requests (``rss_mb_after``: a leak grows at every step, a cache filling its
-    reserved pages levels off) and after the last, and freespec's proposer counters (live requests, errors)."""
+    ``num_requests / checkpoints`` requests and after the last, each process apart (the API server, vLLM's engine
+    core, its worker: which one grows), and freespec's proposer counters (live requests, errors, its process's
+    memory, its history's size). ``rss_mb_after`` holds ``[requests done, total MB, {process: MB}, the proposer's
+    last counters]`` per checkpoint: a leak grows at every step, a cache filling its reserved pages levels off."""
     import threading
 
     import psutil
@@ -370,16 +372,32 @@ def soak(model_dir: str, num_requests: int, clients: int, out: Path, spec_bench:
         if METHODS[method] is not None else []
     with served(model_dir, out / f"soak-{method}-server.log", stats_path, "--dtype", "float32", "--enforce-eager",
                 "--max-model-len", "2048", *spec) as (client, server):
+        def rss_by_process() -> dict:
+            """Resident MB of each of the server's processes (the API server first), by name and pid."""
+            root = psutil.Process(server.pid)
+            out = {}
+            for proc in [root] + sorted(root.children(recursive=True), key=lambda p: p.pid):
+                try:
+                    out[f"{proc.name()}:{proc.pid}"] = round(proc.memory_info().rss / 2**20, 1)
+                except psutil.Error:  # gone between the listing and the read
+                    pass
+            return out
+
         def rss() -> int:
-            procs = [psutil.Process(server.pid)] + psutil.Process(server.pid).children(recursive=True)
-            return sum(p.memory_info().rss for p in procs if p.is_running())
+            return sum(rss_by_process().values()) * 2**20
 
         def proposer_stats():
             return idle_proposer_stats(stats_path) if method == "freespec" else None
 
+        def latest_stats():  # the proposer's counters as last written (its process's memory, its history's)
+            try:
+                return json.loads(stats_path.read_text())
+            except (OSError, ValueError):
+                return None
+
         prompts = [item.turns[0][:400] for item in load_dataset(spec_bench) + load_dataset("builtin:code-edit")]
         client.completions.create(model="model", prompt=prompts[0], max_tokens=max_tokens)  # warm
-        before = {"rss_mb": rss() / 2**20, "proposer": proposer_stats()}
+        before = {"rss_mb": rss() / 2**20, "rss_mb_by_process": rss_by_process(), "proposer": proposer_stats()}
         outcome = {"answered": 0, "aborted": 0, "failed": 0}
         lock, next_index = threading.Lock(), [0]
         every = max(1, num_requests // max(1, checkpoints))
@@ -413,7 +431,8 @@ def soak(model_dir: str, num_requests: int, clients: int, out: Path, spec_bench:
                     outcome[kind] += 1
                     done = sum(outcome.values())
                     if done % every == 0 and done < num_requests:
-                        trail.append([done, round(rss() / 2**20, 1)])
+                        by_process = rss_by_process()
+                        trail.append([done, round(sum(by_process.values()), 1), by_process, latest_stats()])
 
         begin = time.time()
         threads = [threading.Thread(target=worker) for _ in range(clients)]
@@ -422,7 +441,7 @@ def soak(model_dir: str, num_requests: int, clients: int, out: Path, spec_bench:
         for thread in threads:
             thread.join()
         seconds = time.time() - begin
-        after = {"rss_mb": rss() / 2**20, "proposer": proposer_stats()}
+        after = {"rss_mb": rss() / 2**20, "rss_mb_by_process": rss_by_process(), "proposer": proposer_stats()}
     result = {"method": method, "requests": num_requests, "clients": clients, "seconds": seconds, **outcome,
               "before": before, "rss_mb_after": trail, "after": after}
     (out / f"soak-{method}.json").write_text(json.dumps(result, indent=1))
