@@ -312,3 +312,12 @@ def test_server_aborted_streams_release_their_state(server, plain, tokenizer):
     assert out.choices[0].text == tokenizer.decode(plain["one"][0])
     state = idle_proposer_stats(stats, 30.0)
     assert state["live_requests"] == 0 and state["errors"] == 0
+
+
+def test_propose_digest_is_a_function_of_the_code():
+    """``--propose-digest`` drafts under a fixed clock: two runs hash alike, and the mixture drafts at every
+    batch size (the harness's outputs copy prompt spans)."""
+    from freespec.integrations.vllm.bench import propose_digest
+
+    first, second = (propose_digest([1, 8], steps=30, prompt_len=64, k=8) for _ in range(2))
+    assert first == second and min(first["drafted"].values()) > 0

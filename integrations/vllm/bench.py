@@ -31,7 +31,9 @@ baseline that says how much of the memory's growth is vLLM's own.
 path (it runs between two forwards): vLLM's ``NgramProposer``, its ``SuffixDecodingProposer`` (where
 arctic-inference is installed) and freespec's, on the same batches of the same requests (prompts of
 ``--prompt-len`` tokens whose outputs copy prompt spans 70% of the time, each request advancing 1 to 4
-tokens a step), at 1, 8 and 32 requests: CPU microseconds per step and per request.
+tokens a step), at 1, 8 and 32 requests: CPU microseconds per step and per request. ``--propose-digest``
+hashes freespec's drafts on the same batches with the proposer's clock fixed (its cost model reads the time
+between two calls), so a change meant only to make ``propose()`` cheaper can show it drafts the same.
 """
 
 from __future__ import annotations
@@ -237,17 +239,12 @@ class _Batch:
             self.token_ids_cpu[i, :len(prompt) + len(output)] = prompt + output
 
 
-def propose_cost(batch_sizes, steps: int, prompt_len: int, k: int, seed: int = 0) -> list[dict]:
-    """CPU microseconds per ``propose()`` step and per request, per proposer and batch size."""
+def _harness_config(batch_sizes, steps: int, prompt_len: int, k: int):
+    """A vLLM config as the proposers read it, for requests of ``prompt_len`` tokens run ``steps`` steps."""
     from types import SimpleNamespace
 
-    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
-
-    from freespec.integrations.sglang.bench import make_requests
-
-
     max_model_len = prompt_len + 4 * steps + k + 8
-    config = SimpleNamespace(
+    return SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=k, prompt_lookup_min=2, prompt_lookup_max=4,
                                            suffix_decoding_max_tree_depth=24, suffix_decoding_max_spec_factor=1.0,
                                            suffix_decoding_min_token_prob=0.1,
@@ -255,31 +252,59 @@ def propose_cost(batch_sizes, steps: int, prompt_len: int, k: int, seed: int = 0
         model_config=SimpleNamespace(max_model_len=max_model_len, tokenizer=None, get_vocab_size=lambda: 50_000),
         scheduler_config=SimpleNamespace(max_num_seqs=max(batch_sizes)),
         parallel_config=SimpleNamespace(tensor_parallel_size=1))
-    proposers = {"vllm ngram": lambda: NgramProposer(config), "freespec": lambda: _freespec_proposer(config)}
+
+
+def _harness_steps(config, batch_size: int, steps: int, prompt_len: int, k: int, seed: int):
+    """``(batch, steps)``: vLLM's persistent batch of ``batch_size`` requests (prompts whose outputs copy prompt
+    spans) and an iterator that advances each row 1 to 4 committed tokens a step and yields its sampled ids."""
+    from freespec.integrations.sglang.bench import make_requests
+
+    requests = make_requests(batch_size, prompt_len, 4 * steps + k, seed)
+    advance = np.random.default_rng(seed).integers(1, 5, (steps, batch_size))
+    batch = _Batch(requests, config.model_config.max_model_len)
+
+    def step_ids():
+        for step in range(steps):
+            sampled = []
+            for i, n in enumerate(advance[step].tolist()):
+                first = int(batch.num_tokens_no_spec[i])
+                sampled.append(batch.token_ids_cpu[i, first:first + n].tolist())
+                batch.num_tokens_no_spec[i] += n
+            yield sampled
+
+    return batch, step_ids()
+
+
+def _attached_freespec_proposer(config, batch):
+    from types import SimpleNamespace
+
+    proposer = _freespec_proposer(config)
+    proposer.attach_runner(SimpleNamespace(input_batch=batch, requests={}, _update_states=None))
+    return proposer
+
+
+def propose_cost(batch_sizes, steps: int, prompt_len: int, k: int, seed: int = 0) -> list[dict]:
+    """CPU microseconds per ``propose()`` step and per request, per proposer and batch size."""
+    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+
+    config = _harness_config(batch_sizes, steps, prompt_len, k)
+    proposers = {"vllm ngram": lambda batch: NgramProposer(config),
+                 "freespec": lambda batch: _attached_freespec_proposer(config, batch)}
     try:
         from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
 
         import arctic_inference  # noqa: F401
 
-        proposers["vllm suffix"] = lambda: SuffixDecodingProposer(config)
+        proposers["vllm suffix"] = lambda batch: SuffixDecodingProposer(config)
     except ImportError:
         print("propose cost: arctic-inference is not installed; vLLM's suffix proposer is left out")
     rows = []
     for batch_size in batch_sizes:
-        requests = make_requests(batch_size, prompt_len, 4 * steps + k, seed)
-        advance = np.random.default_rng(seed).integers(1, 5, (steps, batch_size))
         for name, build in proposers.items():
-            proposer = build()
-            batch = _Batch(requests, max_model_len)
-            if name == "freespec":
-                proposer.attach_runner(SimpleNamespace(input_batch=batch, requests={}, _update_states=None))
+            batch, step_ids = _harness_steps(config, batch_size, steps, prompt_len, k, seed)
+            proposer = build(batch)
             seconds = 0.0
-            for step in range(steps):
-                sampled = []
-                for i, n in enumerate(advance[step].tolist()):
-                    first = int(batch.num_tokens_no_spec[i])
-                    sampled.append(batch.token_ids_cpu[i, first:first + n].tolist())
-                    batch.num_tokens_no_spec[i] += n
+            for step, sampled in enumerate(step_ids):
                 begin = time.thread_time()
                 if name == "vllm ngram":
                     proposer.propose(k, sampled, batch.num_tokens_no_spec, batch.token_ids_cpu)
@@ -293,6 +318,29 @@ def propose_cost(batch_sizes, steps: int, prompt_len: int, k: int, seed: int = 0
             rows.append({"batch": batch_size, "proposer": name, "us_per_step": per_step,
                          "us_per_request": per_step / batch_size})
     return rows
+
+
+def propose_digest(batch_sizes, steps: int, prompt_len: int, k: int, seed: int = 0) -> dict:
+    """freespec's drafts on ``propose_cost``'s batches with the proposer's clock replaced by a fixed sequence
+    (10 ms steps, seeded jitter): ``{"drafted": {batch size: tokens drafted}, "digest": hash of every step's
+    drafts}``, a function of the code alone. A change meant only to make ``propose()`` cheaper leaves it as it
+    was."""
+    import hashlib
+
+    config = _harness_config(batch_sizes, steps, prompt_len, k)
+    jitter = np.random.default_rng(seed + 1).random(1 << 16).tolist()
+    digest, drafted = hashlib.sha256(), {}
+    for batch_size in batch_sizes:
+        batch, step_ids = _harness_steps(config, batch_size, steps, prompt_len, k, seed)
+        proposer = _attached_freespec_proposer(config, batch)
+        ticks = iter(range(1 << 62))
+        proposer.clock = lambda: (lambda i: 0.01 * i + 0.002 * jitter[i % len(jitter)])(next(ticks))
+        drafted[batch_size] = 0
+        for sampled in step_ids:
+            drafts = proposer.propose(sampled, batch.num_tokens_no_spec, batch.token_ids_cpu)
+            drafted[batch_size] += sum(len(draft) for draft in drafts)
+            digest.update(json.dumps(drafts).encode())
+    return {"drafted": drafted, "digest": digest.hexdigest()[:16]}
 
 
 def serve_command(model_dir: str, *args: str) -> list[str]:
@@ -493,8 +541,11 @@ def main(argv=None) -> int:
                         help="let vLLM compile the model and capture graphs (its default; slower to start)")
     parser.add_argument("--out", default="bench_out/vllm")
     parser.add_argument("--propose-cost", action="store_true", help="time propose() per step instead (no engine)")
-    parser.add_argument("--prompt-len", type=int, default=1024, help="--propose-cost: prompt tokens")
-    parser.add_argument("--steps", type=int, default=200, help="--propose-cost: steps per batch size")
+    parser.add_argument("--propose-digest", action="store_true",
+                        help="hash freespec's drafts on --propose-cost's batches under a fixed clock instead (a "
+                        "change meant only to make propose() cheaper must leave it as it was)")
+    parser.add_argument("--prompt-len", type=int, default=1024, help="--propose-cost/--propose-digest: prompt tokens")
+    parser.add_argument("--steps", type=int, default=200, help="--propose-cost/--propose-digest: steps per batch size")
     parser.add_argument("--soak", type=int, metavar="N", help="N requests through vllm serve instead (16 clients)")
     parser.add_argument("--soak-method", default="freespec", choices=list(METHODS),
                         help="--soak: the speculation the server runs (vanilla: plain vLLM, the memory baseline)")
@@ -512,6 +563,9 @@ def main(argv=None) -> int:
     if args.run_method:  # the child: one engine
         args.method, args.k = args.run_method, ks[0]
         Path(args.out).write_text(json.dumps(run_method(args)))
+        return 0
+    if args.propose_digest:
+        print(json.dumps(propose_digest([1, 8, 32], args.steps, args.prompt_len, ks[0])))
         return 0
     if args.propose_cost:
         rows = propose_cost([1, 8, 32], args.steps, args.prompt_len, ks[0])

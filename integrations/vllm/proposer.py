@@ -98,6 +98,7 @@ class Proposer:
         self._runner = None
         self._last_rows: tuple = ()  # (request ids, tokens fed per row) of the step being run
         self._step_began = None  # when the last propose returned: the engine's step runs from then
+        self.clock = time.perf_counter  # seconds, for the engine's step times (a replay sets a clock of its own)
         self.num_steps = self.num_rows = self.num_drafted = 0
         self.num_errors = 0
         self.num_hint_errors = 0
@@ -152,14 +153,14 @@ class Proposer:
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None,
                 **kwargs) -> list[list[int]]:
         """One list of draft ids per row of vLLM's batch (empty: no draft for that row)."""
-        began = time.perf_counter()
+        began = self.clock()
         try:
             drafts = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, began)
         except Exception as exc:  # never the engine: this step goes without drafts
             self._error("step", exc)
             drafts = [[] for _ in sampled_token_ids]
             self._last_rows = ()
-        self._step_began = time.perf_counter()
+        self._step_began = self.clock()
         return drafts
 
     # ------------------------------------------------------------ drafting
