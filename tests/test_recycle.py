@@ -64,6 +64,26 @@ def test_top_k_on_real_vocabulary_sizes():
         assert torch.equal(top_k(scores, 8)[0], torch.topk(scores, 8, dim=-1).indices)
 
 
+def test_half_logits_reach_top_k_as_their_float32_conversion():
+    """On a CPU the engine hands top_k float16 / bfloat16 logits as float32 in its buffer (reduced faster there):
+    the ids and probabilities top_k gives the half-precision logits themselves; other logits pass as they are."""
+    from types import SimpleNamespace
+
+    from freespec.engine import LogitsBuffer, SpeculativeDecoder, top_k
+
+    engine = SimpleNamespace(logits_buffer=LogitsBuffer())
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        scores = (torch.randn(17, 49152, generator=generator) * 3).to(dtype)
+        converted = SpeculativeDecoder._reducible(engine, scores)
+        assert converted.dtype == torch.float32 and torch.equal(converted, scores.float())
+        ids, probs = top_k(scores, 8)
+        converted_ids, converted_probs = top_k(converted, 8)
+        assert torch.equal(ids, converted_ids) and torch.equal(probs, converted_probs)
+    single = torch.randn(3, 100)
+    assert SpeculativeDecoder._reducible(engine, single) is single
+
+
 SLOTS = 8  # pair slots in the kernel tests: collisions happen, and the twin must agree on them
 
 
