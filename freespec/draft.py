@@ -304,6 +304,8 @@ class Draft:
 def best_path(parents: list[int], confidence: list[float] | None = None,
               is_candidate: list[bool] | None = None) -> list[int]:
     """``Draft.best_path`` from a draft's arrays as lists (for callers that hold them already)."""
+    if is_candidate is None and parents == list(range(-1, len(parents) - 1)):
+        return list(range(len(parents)))  # a chain is its own path (most drafts a host verifying chains sees)
     best: dict[int, int] = {}  # parent -> its most confident candidate child
     for node, parent in enumerate(parents):
         if is_candidate is not None and not is_candidate[node]:

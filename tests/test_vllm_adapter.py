@@ -351,6 +351,10 @@ def test_best_path_matches_its_naive_twin(seed):
     assert draft.best_path() == expected
     assert draft.best_chain().token_ids.tolist() == draft.token_ids[expected].tolist()
     assert Draft(draft.token_ids, parents).best_path() == _naive_best_path(parents, [0.0] * n, [True] * n)
+    chain = list(range(-1, n - 1))  # best_path's shortcut for chains
+    assert Draft.chain(draft.token_ids.tolist()).best_path() == _naive_best_path(chain, [0.0] * n, [True] * n)
+    assert Draft(draft.token_ids, chain, confidence, is_candidate=is_candidate).best_path() == \
+        _naive_best_path(chain, confidence.tolist(), is_candidate.tolist())
 
 
 def test_attaching_twice_wraps_the_runner_once(monkeypatch):

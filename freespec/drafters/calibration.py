@@ -781,12 +781,8 @@ class DraftSizer:
         confidence = draft.confidence.tolist()
         # best first; ties: parents (lower index) first; a host that verifies one chain gets the best path's nodes
         if budget.chain:  # the path's first max_depth nodes (depths 1, 2, ...), best first as they stand unless a
-            parents = draft.parents.tolist()  # node outscores its parent (never, calibrated)
-            if draft.is_candidate is None and parents == list(range(-1, len(parents) - 1)):  # a chain: its own path
-                order = list(range(min(len(parents), budget.max_depth)))
-            else:
-                order = best_path(parents, confidence, None if draft.is_candidate is None
-                                  else draft.is_candidate.tolist())[:budget.max_depth]
+            order = best_path(draft.parents.tolist(), confidence,  # node outscores its parent (never, calibrated)
+                              None if draft.is_candidate is None else draft.is_candidate.tolist())[:budget.max_depth]
             probs = [confidence[i] for i in order]
             if any(above < below for above, below in zip(probs, probs[1:])):
                 order = sorted(order, key=lambda i: (-confidence[i], i))

@@ -210,12 +210,8 @@ class Proposer:
         draft = self.drafter.propose(req_id, self._budget(max_depth, batch_size))
         if draft.num_nodes == 0:
             return []
-        ids, parents = draft.token_ids.tolist(), draft.parents.tolist()
-        # a chain already (the sizer's, under Budget.chain): read as it stands
-        if draft.is_candidate is None and parents == list(range(-1, len(parents) - 1)):
-            chain = ids[:max_depth]
-        else:
-            chain = [ids[node] for node in draft.best_path()[:max_depth]]
+        ids = draft.token_ids.tolist()  # a chain already, mostly (the sizer's, under Budget.chain): its own path
+        chain = [ids[node] for node in draft.best_path()[:max_depth]]
         if max(chain) >= self.vocab_size:  # never an id outside the vocabulary: stop before the first
             chain = chain[:next(i for i, token in enumerate(chain) if token >= self.vocab_size)]
         return chain
