@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import json
 import importlib.util
+import itertools
 import os
 import subprocess
 import sys
@@ -333,8 +334,13 @@ def propose_digest(batch_sizes, steps: int, prompt_len: int, k: int, seed: int =
     for batch_size in batch_sizes:
         batch, step_ids = _harness_steps(config, batch_size, steps, prompt_len, k, seed)
         proposer = _attached_freespec_proposer(config, batch)
-        ticks = iter(range(1 << 62))
-        proposer.clock = lambda: (lambda i: 0.01 * i + 0.002 * jitter[i % len(jitter)])(next(ticks))
+        ticks = itertools.count()
+
+        def clock(ticks=ticks) -> float:  # the i-th reading: 10 ms steps with a seeded jitter
+            i = next(ticks)
+            return 0.01 * i + 0.002 * jitter[i % len(jitter)]
+
+        proposer.clock = clock
         drafted[batch_size] = 0
         for sampled in step_ids:
             drafts = proposer.propose(sampled, batch.num_tokens_no_spec, batch.token_ids_cpu)
@@ -431,21 +437,16 @@ def soak(model_dir: str, num_requests: int, clients: int, out: Path, spec_bench:
                     pass
             return out
 
-        def rss() -> int:
-            return sum(rss_by_process().values()) * 2**20
+        def memory() -> dict:
+            by_process = rss_by_process()
+            return {"rss_mb": round(sum(by_process.values()), 1), "rss_mb_by_process": by_process}
 
         def proposer_stats():
             return idle_proposer_stats(stats_path) if method == "freespec" else None
 
-        def latest_stats():  # the proposer's counters as last written (its process's memory, its history's)
-            try:
-                return json.loads(stats_path.read_text())
-            except (OSError, ValueError):
-                return None
-
         prompts = [item.turns[0][:400] for item in load_dataset(spec_bench) + load_dataset("builtin:code-edit")]
         client.completions.create(model="model", prompt=prompts[0], max_tokens=max_tokens)  # warm
-        before = {"rss_mb": rss() / 2**20, "rss_mb_by_process": rss_by_process(), "proposer": proposer_stats()}
+        before = {**memory(), "proposer": proposer_stats()}
         outcome = {"answered": 0, "aborted": 0, "failed": 0}
         lock, next_index = threading.Lock(), [0]
         every = max(1, num_requests // max(1, checkpoints))
@@ -479,8 +480,8 @@ def soak(model_dir: str, num_requests: int, clients: int, out: Path, spec_bench:
                     outcome[kind] += 1
                     done = sum(outcome.values())
                     if done % every == 0 and done < num_requests:
-                        by_process = rss_by_process()
-                        trail.append([done, round(sum(by_process.values()), 1), by_process, latest_stats()])
+                        now = memory()  # and the proposer's counters as last written (its process's, its history's)
+                        trail.append([done, now["rss_mb"], now["rss_mb_by_process"], read_proposer_stats(stats_path)])
 
         begin = time.time()
         threads = [threading.Thread(target=worker) for _ in range(clients)]
@@ -489,11 +490,19 @@ def soak(model_dir: str, num_requests: int, clients: int, out: Path, spec_bench:
         for thread in threads:
             thread.join()
         seconds = time.time() - begin
-        after = {"rss_mb": rss() / 2**20, "rss_mb_by_process": rss_by_process(), "proposer": proposer_stats()}
+        after = {**memory(), "proposer": proposer_stats()}
     result = {"method": method, "requests": num_requests, "clients": clients, "seconds": seconds, **outcome,
               "before": before, "rss_mb_after": trail, "after": after}
     (out / f"soak-{method}.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def read_proposer_stats(stats_path: Path) -> dict | None:
+    """The proposer's counters as it last wrote them (``FREESPEC_VLLM_STATS``), or None before it has."""
+    try:
+        return json.loads(Path(stats_path).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def idle_proposer_stats(stats_path: Path, timeout: float = 60.0) -> dict | None:
@@ -501,10 +510,7 @@ def idle_proposer_stats(stats_path: Path, timeout: float = 60.0) -> dict | None:
     ``timeout``; None if it never wrote them."""
     deadline = time.time() + timeout
     while True:
-        try:
-            stats = json.loads(Path(stats_path).read_text())
-        except (OSError, ValueError):
-            stats = None
+        stats = read_proposer_stats(stats_path)
         if stats is not None and stats["live_requests"] == 0 or time.time() > deadline:
             return stats
         time.sleep(0.5)
