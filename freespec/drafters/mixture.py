@@ -152,6 +152,7 @@ class MixtureDrafter(Drafter):
         lookahead = not early_exit if lookahead is None else check_bool("lookahead", lookahead)
         self.lookahead = LookaheadSource(*lookahead_options) if lookahead else None
         self._top_k = self.recycle.top_k if self.recycle is not None else (1 if self.lookahead else 0)
+        self._batch_size = 1  # the latest budget's: observe_top_k's gate reads that batch size
         self.sizer = DraftSizer(adaptive, prior_cost_slope, host_cost)
         self._pool_only: dict[Hashable, tuple[Draft, np.ndarray]] = {}  # request -> verified draft, pool-only nodes
         self.early_exit = EarlyExitDrafter() if early_exit else None
@@ -167,8 +168,10 @@ class MixtureDrafter(Drafter):
 
     @property
     def observe_top_k(self) -> int:
-        """The target's top-k the recycling table and the window read; 0 while ``flat_curve`` is False."""
-        return self._top_k if self._top_k and self.flat_curve() else 0
+        """The target's top-k the recycling table and the window read; 0 while ``flat_curve`` is False at the batch
+        size of the latest draft (the step the engine verifies next): a padded batch whose own forwards read steep
+        computes no top-k for sources gated off there, whatever batch 1's prior says."""
+        return self._top_k if self._top_k and self.flat_curve(self._batch_size) else 0
 
     @property
     def cost_model(self):
@@ -301,6 +304,7 @@ class MixtureDrafter(Drafter):
         return [(draft, kinds) for draft, kinds in scored if draft.num_nodes]
 
     def _propose(self, request_id, budget: Budget) -> Draft:
+        self._batch_size = budget.batch_size
         # the gate matters only to the sources that read the model (the cost curve is not read without them)
         flat = (self.recycle is not None or self.lookahead is not None) and self.flat_curve(budget.batch_size)
         scored = self._scored_drafts(request_id, budget, flat)
