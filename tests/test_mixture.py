@@ -414,8 +414,9 @@ def _reference_curve(model: CostModel) -> list[float]:
     known[0] = 1.0
     if model._prior_of is not None:  # a borrowed prior, steepened by what the pinned widths measured
         at = np.asarray(known_at[1:], np.int64)
-        ratios = [(known[1:][i] - 1.0) / (prior[at[i]] - 1.0) for i in range(at.size) if prior[at[i]] > 1.0]
-        if ratios and np.median(ratios) > 1.0:
+        above = prior[at] > 1.0
+        ratios = (known[1:][above] - 1.0) / (prior[at][above] - 1.0)
+        if ratios.size and np.median(ratios) > 1.0:
             prior = 1.0 + (prior - 1.0) * np.median(ratios)
     curve = np.interp(np.arange(model.MAX_WIDTH, dtype=np.float64), np.asarray(known_at, np.float64), known)
     last, highest = known_at[-1], float(known.max())
