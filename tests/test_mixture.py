@@ -498,8 +498,33 @@ def test_cost_model_redraws_its_curve_once_a_pinned_median_moves_more_than_redra
         assert (model.curve_list() is drawn) == (expected == 0.100)
     assert model.curve_list()[8] == pytest.approx(0.203 / 0.095)
     drawn = model.curve_list()
-    model.add(5, 0.15)  # a width not pinned (its forwards, or its group's pooled ones, may pin it): redrawn
-    assert model.curve_list() is not drawn
+    # a width not pinned, in a group (5-6) with no width pinned: kept while the group's pool is short of
+    # min_samples (3); redrawn once the pool pins the group, as its pooled median moves and when the width's own
+    # forwards pin it. In a group with a pinned width (9 of 9-12), the others' forwards leave the curve as it
+    # is until one of them is pinned
+    for width, redrawn in ((5, False), (6, False), (6, True), (5, True), (5, True),
+                           (10, False), (11, False), (10, False), (10, True)):
+        model.add(width, {5: 0.15, 6: 0.16}.get(width, 0.2))
+        assert (model.curve_list() is not drawn) == redrawn, (width, redrawn)
+        drawn = model.curve_list()
+    assert drawn[4] == pytest.approx(0.15 / 0.095)
+    no_one_token = CostModel(window=8)  # without a 1-token forward the base is a line through every median
+    for width in (4, 4, 4, 9, 9, 9, 20):
+        before = no_one_token.curve_list()
+        no_one_token.add(width, 0.1 + width / 100)
+        assert no_one_token.curve_list() is not before
+
+    # where no pinned width's median moves, a kept curve is exactly the one drawn from scratch
+    rng = np.random.default_rng(4)
+    for case in range(40):
+        model = CostModel(window=8, min_samples=int(rng.integers(1, 4)))
+        widths = rng.choice(np.arange(1, 60), size=int(rng.integers(2, 14)))
+        for _ in range(80):
+            width = int(rng.choice(widths))
+            model.add(width, 0.1 * (1 + width / 40))
+            fresh = CostModel(window=8, min_samples=model.min_samples)
+            fresh._times, fresh._medians = model._times, model._medians
+            assert model.curve_list() == fresh.curve_list(), (case, width)
 
     rng = np.random.default_rng(3)
     model = CostModel(window=8)
@@ -773,6 +798,41 @@ def test_batch_cost_model_borrows_from_batch_one_until_measured():
     assert model.cost(4, 6) == pytest.approx(3.0)  # 6 rows: the batch-8 bucket
     assert model.cost(4, 1) == pytest.approx(1.09)  # batch 1 untouched
     assert model.costs(np.array([4, 16]), 8).tolist() == pytest.approx([3.0, 9.0])
+
+
+def test_batch_cost_model_memo_follows_every_change_that_matters():
+    """Values read between two forwards (``cost_list``, ``at_most``) are memoized until a forward changes a curve
+    or gives a width its first forward; whatever the forwards, they read what a model that memoized nothing
+    reads. The case that needs the second condition: bucket 4 with only width 1 measured borrows batch 1's
+    curve; a first forward at width 5 (its group's pool one short of pinning: the curve is kept) makes the bucket
+    answer for itself."""
+    from freespec.drafters.calibration import BatchCostModel
+
+    model, fresh = BatchCostModel(), BatchCostModel()
+    for _ in range(3):
+        model.add(4, 1, 0.1)
+        fresh.add(4, 1, 0.1)
+    borrowed = model.cost_list(140, 4)  # past MAX_WIDTH, batch 1's extrapolation
+    assert model.at_most(4, 4) == math.inf  # draws bucket 4's own curve (width 1 alone: no bound)
+    model.add(4, 5, 0.15)  # the curve kept (group 5-6's pool is 1 of 3), the bucket's second width
+    fresh.add(4, 5, 0.15)
+    assert model.cost_list(140, 4) == fresh.cost_list(140, 4) != borrowed  # its own curve's extrapolation
+
+    rng = np.random.default_rng(5)
+    for case in range(20):
+        model, replay = BatchCostModel(), []
+        for _ in range(60):
+            batch_size = int(rng.choice([1, 1, 3, 4, 8]))
+            width = int(rng.choice([1, 1, 2, 3, 5, 6, 9, 17, 40]))
+            seconds = 0.1 * (1 + width / 30) * (1 + batch_size / 8)  # medians that never move: no REDRAW slack
+            model.add(batch_size, width, seconds)
+            replay.append((batch_size, width, seconds))
+            fresh = BatchCostModel()
+            for args in replay:
+                fresh.add(*args)
+            for size in (1, 4, 8):  # (a curve drawn at other moments can differ in its last bit)
+                assert model.cost_list(12, size)[:12] == pytest.approx(fresh.cost_list(12, size)[:12], rel=1e-12)
+                assert model.at_most(4, size) == pytest.approx(fresh.at_most(4, size), rel=1e-12)
 
 
 def test_a_batch_bucket_measures_against_the_borrowed_curve():

@@ -116,12 +116,33 @@ class CostModel:
         median = self._medians[index] = statistics.median(times)  # 50x faster than np.median on 32
         if self._curve_list is None:
             return True
-        # a width pinned when the curve was drawn (it has been since: pinning one redraws the curve) whose median
-        # stays within REDRAW of the median the curve used, while width 1 is pinned too, leaves the curve as it is
-        drawn = self._drawn_medians[index]
-        if not (was_pinned and len(self._times[0]) >= self.min_samples and abs(median - drawn) <= self.REDRAW * drawn):
+        if was_pinned:
+            # a width pinned when the curve was drawn (it has been since: pinning one redraws the curve) whose
+            # median stays within REDRAW of the median the curve used leaves the curve as it is, unless the
+            # one-token time is read from every width's (width 1 has no forward) or it is width 1's own
+            drawn = self._drawn_medians[index]
+            keep = bool(self._times[0]) and abs(median - drawn) <= self.REDRAW * drawn
+        else:
+            keep = not self._moves_unpinned(index)
+        if not keep:
             self._curve_list = self._curve = None
-        return self._curve_list is None
+        return not keep
+
+    def _moves_unpinned(self, index: int) -> bool:
+        """Whether a forward just counted at width ``index + 1``, not pinned before it, changes what the curve is
+        drawn from (``_known_points`` and the one-token time): it pinned the width; it is width 1 (the
+        one-token time); width 1 has no forward (the one-token time is read from every width's); or it joined
+        a group pooled, or about to be (no width of the group pinned on its own, ``min_samples`` forwards in
+        all). A forward that changes none of these (a width of a group with a pinned width, or of a pool still
+        short of ``min_samples``) leaves the curve as drawing it again would: on a flat curve, where the sizer
+        spreads its widths, it spared most redraws of a step (``scripts/draft_digest.py``, ``flat1``)."""
+        if index == 0 or not self._times[0] or len(self._times[index]) >= self.min_samples:
+            return True
+        group = self._group[index]
+        members = range(self.GROUPS[group - 1], self.GROUPS[group])  # indices of the group's widths
+        if any(len(self._times[i]) >= self.min_samples for i in members):
+            return False
+        return sum(len(self._times[i]) for i in members) >= self.min_samples
 
     def prior_list(self) -> list[float]:
         """c(1..MAX_WIDTH) before measurement: ``prior``'s curve if given, else ``1 + prior_slope (n - 1)``."""
@@ -255,6 +276,10 @@ class CostModel:
         line_s = mean_s - slope * mean_size + max(slope, 0.0)
         return min(min(times), line_s) if line_s > 0 else min(times)
 
+    def has_forward(self, num_tokens: int) -> bool:
+        """Whether width ``num_tokens`` (1..MAX_WIDTH) has a forward."""
+        return bool(self._times[num_tokens - 1])
+
     def measured_widths(self) -> int:
         """How many widths have at least one forward."""
         return int(np.count_nonzero(~np.isnan(self._medians)))
@@ -359,14 +384,22 @@ class BatchCostModel:
         bucket = self.bucket(batch_size)
         if bucket > 1 and CostModel.counts(width, forward_s):
             forward_s = self._scaled(bucket, batch_size, width, float(forward_s))
-        if bucket not in self._models:
-            self._models[bucket] = CostModel(self.prior_slope, self.window, prior=partial(self._borrowed, bucket))
-        model = self._models[bucket]
-        if model.add(width, forward_s) and bucket == 1:  # batch 1's curve moved, and with it every bucket's prior
-            for other in self._models.values():
-                if other is not model:
-                    other.prior_changed()
-        self._memo.clear()  # every value memoized is a function of the models, which only add() changes
+        model = self._models.get(bucket)
+        if model is None:
+            model = self._models[bucket] = CostModel(self.prior_slope, self.window,
+                                                     prior=partial(self._borrowed, bucket))
+            self._memo.clear()  # a bucket with a model of its own answers at_most from it
+        first = CostModel.counts(width, forward_s) and not model.has_forward(width)
+        if model.add(width, forward_s):  # the curve may have moved
+            if bucket == 1:  # and with batch 1's, every bucket's prior
+                for other in self._models.values():
+                    if other is not model:
+                        other.prior_changed()
+            self._memo.clear()
+        elif first:  # a bucket answers for itself once two widths have forwards (_own)
+            self._memo.clear()
+        # every value memoized is a function of the models' curves and of which widths have forwards: a forward
+        # that changes neither (CostModel.add keeps the curve) leaves them valid
 
     def _scaled(self, bucket: int, batch_size: int, width: int, forward_s: float) -> float:
         """``forward_s`` of ``batch_size`` rows in the bucket's reference seconds (as is until that batch size has a
