@@ -835,6 +835,23 @@ def test_batch_cost_model_memo_follows_every_change_that_matters():
                 assert model.at_most(4, size) == pytest.approx(fresh.at_most(4, size), rel=1e-12)
 
 
+def test_a_padded_prefill_keeps_the_gate_shut_until_the_bucket_measures():
+    """A padding host's prefill of 5 rows marks bucket 4: before its first decode forward the flat gate reads
+    ``inf`` there, not batch 1's prior line (which reads flat); a packing host's (vLLM's) buckets still borrow, and
+    batch 1 is untouched."""
+    padded, packed = MixtureDrafter(), MixtureDrafter()
+    assert padded.flat_curve(5) and packed.flat_curve(5)  # the prior line: flat
+    rows = tuple(f"r{i}" for i in range(5))
+    padded.on_forward(ForwardReport(rows, (40,) * 5, 0.5, prefill=True))
+    packed.on_forward(ForwardReport(rows, (40,) * 5, 0.5, prefill=True, packed=True))
+    assert not padded.flat_curve(5) and not padded.flat_curve(3)  # 3 rows: bucket 4 too
+    assert padded.flat_curve(1) and padded.flat_curve(2) and packed.flat_curve(5)  # other buckets: as they were
+    for _ in range(3):  # its own forwards of 5 tokens a row, measured cheap: the gate opens on them
+        padded.on_forward(ForwardReport(rows, (1,) * 5, 0.20))
+        padded.on_forward(ForwardReport(rows, (5,) * 5, 0.21))
+    assert padded.flat_curve(5)
+
+
 def test_a_batch_bucket_measures_against_the_borrowed_curve():
     """Bucket 8's own model, once it answers for itself, explores against c_1(8 n) / c_1(8), not against batch 1's
     prior line, and that borrowed curve is steepened by what the bucket measured (with widths 1 and 2 pinned,

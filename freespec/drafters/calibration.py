@@ -375,6 +375,7 @@ class BatchCostModel:
         self._one_token: dict[int, deque] = {}  # batch size above 1 -> its recent one-token forwards' seconds
         self._one_token_median: dict[int, float] = {}  # batch size above 1 -> the median of those
         self._reference_s: dict[int, float] = {}  # bucket above 1 -> T_B, the seconds its curve's samples are scaled to
+        self._padded: set[int] = set()  # buckets above 1 whose prefill a padding host reported (note_padded)
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -400,6 +401,17 @@ class BatchCostModel:
             self._memo.clear()
         # every value memoized is a function of the models' curves and of which widths have forwards: a forward
         # that changes neither (CostModel.add keeps the curve) leaves them valid
+
+    def note_padded(self, batch_size: int) -> None:
+        """A padding host (HF ``generate()``) prefilled a batch of ``batch_size`` rows: until that bucket's own decode
+        forwards are measured, ``at_most`` reads ``inf`` there (no gate opens on a borrowed value), as it does once
+        the bucket has forwards but no measured bound. Without it, the first decode step of a batched call read
+        batch 1's curve (its prior line, in a process that had decoded only batches) and drafted recycled trees and
+        a lookahead window into a padded forward."""
+        bucket = self.bucket(batch_size)
+        if bucket > 1 and bucket not in self._padded:
+            self._padded.add(bucket)
+            self._memo.clear()
 
     def _scaled(self, bucket: int, batch_size: int, width: int, forward_s: float) -> float:
         """``forward_s`` of ``batch_size`` rows in the bucket's reference seconds (as is until that batch size has a
@@ -464,7 +476,8 @@ class BatchCostModel:
 
     def _at_most(self, num_tokens: int, batch_size: int) -> float:
         """Batch 1's ``at_most``; a bucket of its own (a padding host's) answers only with its measured bound, and
-        reads ``inf`` without one; a bucket with no forwards (a packing host's) borrows ``c_1(B n) / c_1(B)``.
+        reads ``inf`` without one, as does a padding host's bucket before its first decode forward (``note_padded``);
+        a bucket with no forwards (a packing host's) borrows ``c_1(B n) / c_1(B)``.
 
         A padded batch's forward costs more than the tokens it feeds would at batch 1 (smollm2-135m float32,
         batch 8: c_8(2, 4) = 1.47, 1.78 where c_1(16) / c_1(8) and c_1(32) / c_1(8) read 1.20, 1.60), so no
@@ -476,6 +489,8 @@ class BatchCostModel:
             return single.at_most(num_tokens)
         own = self._models.get(bucket)
         if own is None:
+            if bucket in self._padded:
+                return math.inf
             return max(1.0, single.at_most(bucket * num_tokens) / single.cost(bucket))
         bound = own.measured_bound(num_tokens)
         return math.inf if bound is None else bound
@@ -780,9 +795,12 @@ class DraftSizer:
         self._pending: dict[Hashable, tuple[Draft, list]] = {}  # request -> verified candidates, their kinds
 
     def on_forward(self, report) -> None:
-        """A ``ForwardReport``: decode forwards calibrate c_B(n) (a prefill's cost is the prompt's) and, where the
-        host measures it, h(k) (the previous step's time outside its forward)."""
+        """A ``ForwardReport``: decode forwards calibrate c_B(n) (a prefill's cost is the prompt's; a padding host's
+        prefill of several rows marks their bucket, ``note_padded``) and, where the host measures it, h(k) (the
+        previous step's time outside its forward)."""
         if report.prefill:
+            if not report.packed and report.batch_size > 1:
+                self.cost_model.note_padded(report.batch_size)
             return
         if report.packed:  # rows end to end: a sequence of all their tokens, whatever the rows (see BatchCostModel)
             self.cost_model.add(1, report.num_tokens, report.forward_s)
