@@ -44,6 +44,15 @@ def ancestor_matrix(parents) -> np.ndarray:
     return _walk(ancestor_matrix_kernel, parents, np.zeros((parents.shape[0], parents.shape[0]), bool))
 
 
+def warm_kernels() -> None:
+    """Compile the tree kernels every decode step runs (or load them from numba's cache) on a two-node tree, so
+    the first ``generate()`` after ``patch()`` does not (loading them took tens of milliseconds)."""
+    parents = np.array([-1, 0], np.int32)
+    node_depths(parents)
+    ancestor_matrix(parents)
+    bfs_order(parents)
+
+
 def _walk(kernel, parents: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``out`` as ``kernel(parents, out)`` fills it; the kernel checks the parents as it walks them (-1: in order),
     which costs less than ``check_parents``'s two numpy reductions before it."""

@@ -259,3 +259,39 @@ def test_documents_errors(model):
         model.generate(PROMPT, max_new_tokens=4, documents=["some text"])
     with pytest.raises(ValueError, match="list of texts"):
         model.generate(PROMPT, max_new_tokens=4, documents="some text")
+
+
+FIRST_CALL_SCRIPT = r"""
+import importlib, pkgutil, sys
+import torch
+import freespec, freespec.kernels, freespec.tree
+from freespec.testing.models import tiny_random
+
+modules = [importlib.import_module(f"freespec.kernels.{m.name}") for m in pkgutil.iter_modules(freespec.kernels.__path__)]
+def compiled():
+    return {(module.__name__, name, str(signature)) for module in modules for name in dir(module)
+            for signature in getattr(getattr(module, name), "signatures", ())}
+model = tiny_random("llama", vocab_size=128, seed=0)
+freespec.patch(model)
+before = compiled()
+rows = torch.tensor([[0, 5, 9, 13, 5, 9, 13, 5, 9, 21, 30, 5, 9], [0, 0, 0, 7, 8, 9, 7, 8, 9, 7, 8, 9, 7]])
+mask = (torch.arange(13) >= torch.tensor([[0], [3]])).long()
+model.generate(rows, attention_mask=mask, max_new_tokens=24, do_sample=False)
+model.generate(rows[:1], max_new_tokens=24, do_sample=False)
+torch.manual_seed(0)
+model.generate(rows[:1], max_new_tokens=24, do_sample=True)
+new = sorted(compiled() - before)
+print("\n".join(f"{m}.{n}: {s}" for m, n, s in new))
+sys.exit(1 if new else 0)
+"""
+
+
+def test_patch_loads_every_kernel_the_first_generate_runs():
+    """patch() compiles (or loads) the kernels a decode step runs, so the first generate() compiles none: in a fresh
+    interpreter, a batched and a single-row greedy call and a sampled one of the default mixture add no numba
+    signature."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", FIRST_CALL_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"compiled during the first generate():\n{result.stdout}{result.stderr[-2000:]}"

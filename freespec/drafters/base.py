@@ -179,7 +179,12 @@ def exercise(drafter: "Drafter") -> None:
     ``warmup``). The first outgrows its arrays, so the kernels that grow them load here too, not at a served
     request's first growth (loading one took milliseconds, mid-step, in vLLM's ``propose()``)."""
     drafter.start("warmup", [1, 2, 3, 1, 2])
-    drafter.propose("warmup", Budget(4, 4))
+    draft = drafter.propose("warmup", Budget(16, 8))  # room for a lookahead window beside the lookup nodes
+    if drafter.observe_top_k:  # the kernels that learn from the target's top-k, with the engine's dtypes
+        k = drafter.observe_top_k
+        drafter.observe("warmup", VerifyOutput(draft, np.zeros(0, np.int64),
+                                               np.ones((draft.num_nodes + 1, k), np.int64),
+                                               np.full((draft.num_nodes + 1, k), 1.0 / k, np.float32)))
     drafter.extend("warmup", [3])
     drafter.propose("warmup", Budget(4, 4))
     drafter.extend("warmup", list(range(4, 68)))

@@ -113,7 +113,9 @@ class NgramPool:
 
     def insert(self, keys, grams) -> None:
         """Add ``grams[i]`` ([m, N - 1], ``-1``-padded) under ``keys[i]`` ([m]), in order."""
-        keys = np.ascontiguousarray(keys, np.int64).reshape(-1)
+        # writable, as numba types a read-only array apart: seeding (read-only context) and the window's harvest
+        # then share one compiled kernel, which warmup() loads
+        keys = np.require(np.asarray(keys, np.int64).reshape(-1), requirements=("C", "W"))
         grams = np.ascontiguousarray(grams, np.int64).reshape(keys.shape[0], self.ngram - 1)
         if keys.size == 0:
             return
