@@ -43,8 +43,7 @@ export NUMBA_CACHE_DIR=$venv.numba-cache
 "$venv/bin/python" -c "
 import numba, numpy, torch, transformers
 from freespec import tree
-parents = [-1, 0, 0, 1]
-tree.node_depths(parents), tree.ancestor_matrix(parents), tree.bfs_order(parents), tree.topological_order(parents)
+tree.warm_kernels()
 print('test_env: $name: transformers', transformers.__version__, 'torch', torch.__version__, 'numba', numba.__version__,
       'numpy', numpy.__version__)"
 exec "$venv/bin/python" -m pytest "${tests[@]}" "$@"

@@ -264,7 +264,7 @@ def test_documents_errors(model):
 FIRST_CALL_SCRIPT = r"""
 import importlib, pkgutil, sys
 import torch
-import freespec, freespec.kernels, freespec.tree
+import freespec, freespec.kernels
 from freespec.testing.models import tiny_random
 
 modules = [importlib.import_module(f"freespec.kernels.{m.name}") for m in pkgutil.iter_modules(freespec.kernels.__path__)]

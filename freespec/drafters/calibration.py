@@ -390,17 +390,14 @@ class BatchCostModel:
             model = self._models[bucket] = CostModel(self.prior_slope, self.window,
                                                      prior=partial(self._borrowed, bucket))
             self._memo.clear()  # a bucket with a model of its own answers at_most from it
-        first = CostModel.counts(width, forward_s) and not model.has_forward(width)
-        if model.add(width, forward_s):  # the curve may have moved
-            if bucket == 1:  # and with batch 1's, every bucket's prior
-                for other in self._models.values():
-                    if other is not model:
-                        other.prior_changed()
+        first = CostModel.counts(width, forward_s) and not model.has_forward(width)  # _own counts widths with one
+        moved = model.add(width, forward_s)
+        if moved and bucket == 1:  # batch 1's curve moved, and with it every bucket's prior
+            for other in self._models.values():
+                if other is not model:
+                    other.prior_changed()
+        if moved or first:  # every value memoized is a function of the curves and of which widths have forwards
             self._memo.clear()
-        elif first:  # a bucket answers for itself once two widths have forwards (_own)
-            self._memo.clear()
-        # every value memoized is a function of the models' curves and of which widths have forwards: a forward
-        # that changes neither (CostModel.add keeps the curve) leaves them valid
 
     def note_padded(self, batch_size: int) -> None:
         """A padding host (HF ``generate()``) prefilled a batch of ``batch_size`` rows: until that bucket's own decode
