@@ -11,7 +11,7 @@ from freespec.drafters import make
 from freespec.drafters.base import ForwardReport
 from freespec.drafters.corpus import DocumentIndex
 from freespec.drafters.base import VerifyOutput
-from freespec.drafters.calibration import AcceptanceCalibrator, CostModel, DraftSizer, HostCostModel
+from freespec.drafters.calibration import AcceptanceCalibrator, CostModel, DraftSizer, HostCostModel, row_values
 from freespec.drafters.mixture import MixtureDrafter
 from freespec.drafters.suffix import RequestHistory
 
@@ -269,13 +269,32 @@ def test_a_padded_batch_is_cut_to_its_best_common_width():
     assert same(sizer.fit_batch(["r0", "r1"], [windowed, empty], 2), [windowed, empty])
 
 
+def test_row_values_price_rows_ahead_at_one_rows_token():
+    """row_values' worked example; rows that have generated as many tokens are all worth 1 (None); the values of
+    a batch sum to its rows whatever the cost (a step is worth as much, shared differently)."""
+    assert row_values([10, 12, 10, 10], 1.4) == pytest.approx([1.2, 0.4, 1.2, 1.2])
+    assert row_values([7, 7, 7], 1.9) is None and row_values([3], 1.2) is None
+    assert row_values([5, 9], 1.0) == [2.0, 0.0]  # a flat forward: only the row behind is worth a draft
+    assert row_values([5, 9, 6], 3.0) == [1.0, 1.0, 1.0]  # a second token dearer than a row's: every row 1
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        progress = rng.integers(0, 4, int(rng.integers(2, 9))).tolist()
+        values = row_values(progress, 1.0 + float(rng.random()))
+        if values is not None:
+            least = min(progress)
+            assert sum(values) == pytest.approx(len(progress))
+            assert min(v for v, done in zip(values, progress) if done == least) >= \
+                max(v for v, done in zip(values, progress) if done > least)
+
+
 def test_fit_batch_is_the_brute_force_common_width():
     """On random calibrated trees in random batches, the common cap is the one a brute-force search over every
-    width finds (the rate each width gives, computed plainly), each row keeps its best min(k, W) nodes and
-    judge sees the kinds of those nodes only."""
+    width finds (the rate each width gives, computed plainly, each row's tokens at its ``row_values`` where the
+    rows' progress differs), each row keeps its best min(k, W) nodes and judge sees the kinds of those nodes
+    only."""
     rng = np.random.default_rng(5)
     caps = []  # (the cap, the widest row's width) per batch
-    for case in range(60):
+    for case in range(120):
         batch_size, slope = int(rng.integers(2, 9)), float(rng.choice([0.01, 0.1, 0.3, 1.0]))
         sizer = _batch_sizer(batch_size, slope)
         rids, drafts, proposed_kinds = [f"r{i}" for i in range(batch_size)], [], {}
@@ -291,13 +310,21 @@ def test_fit_batch_is_the_brute_force_common_width():
             chosen, keep, _ = sizer.select_nodes(rid, tree, kinds, Budget(16, 16, batch_size))
             drafts.append(chosen)
             proposed_kinds[rid] = [kinds[i] for i in keep]
-        fitted = sizer.fit_batch(rids, drafts, batch_size)
+        progress = None if case % 2 else rng.integers(0, 3, batch_size).tolist()
+        fitted = sizer.fit_batch(rids, drafts, batch_size, progress)
         widths = [draft.num_nodes for draft in drafts]
         tops = [sorted(draft.confidence.tolist(), reverse=True) if draft.num_nodes else [] for draft in drafts]
+        values = [1.0] * batch_size
+        if progress is not None and min(progress) < max(progress):  # row_values, computed plainly
+            least, ahead = min(progress), min(1.0, sizer.cost_model.cost(2, batch_size) - 1.0)
+            behind = progress.count(least)
+            values = [(batch_size - ahead * (batch_size - behind)) / behind if done == least else ahead
+                      for done in progress]
 
         def rate(cap):
             fed = [min(width, cap) for width in widths]
-            return sum(1.0 + sum(top[:k]) for top, k in zip(tops, fed)) / sizer.cost_model.cost(1 + cap, batch_size)
+            return sum(1.0 + value * sum(top[:k]) for value, top, k in zip(values, tops, fed)) \
+                / sizer.cost_model.cost(1 + cap, batch_size)
 
         best = max(range(max(widths) + 1), key=lambda cap: (rate(cap), -cap))
         caps.append((best, max(widths)))

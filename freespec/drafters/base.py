@@ -231,12 +231,12 @@ def _locked(method):
 class _Context:
     """A request's tokens so far, amortized O(1) append."""
 
-    __slots__ = ("buf", "size")
+    __slots__ = ("buf", "size", "start")
 
     def __init__(self, ids: np.ndarray):
         self.buf = np.empty(max(64, 2 * len(ids)), np.int32)
         self.buf[: len(ids)] = ids
-        self.size = len(ids)
+        self.size = self.start = len(ids)  # start: the prompt's tokens
 
     def append(self, ids: np.ndarray) -> None:
         need = self.size + len(ids)
@@ -388,6 +388,11 @@ class Drafter(Lockable):
     def context(self, request_id: Hashable) -> np.ndarray:
         """The request's tokens so far (prompt + accepted), int32, read-only view."""
         return self._context(request_id).view()
+
+    def num_generated(self, request_id: Hashable) -> int:
+        """Tokens the request has added to its prompt so far (``extend``)."""
+        context = self._context(request_id)
+        return context.size - context.start
 
     def _context(self, request_id: Hashable) -> _Context:
         try:

@@ -718,6 +718,37 @@ class AcceptanceCalibrator:
             self.update(kinds[i], accepted[i])
 
 
+def row_values(progress: list[int], second_token_cost: float) -> list[float] | None:
+    """What a token accepted in each row of a padded batch is worth, in units of the step's mean token; None
+    when every row has generated as many tokens (each is worth 1).
+
+    A padded batch runs until its last row is done, and a row that is done leaves it. A token a row gains
+    makes it leave one step earlier: for a row ahead of another, that saves the step one row's token, where
+    the rows that have generated least save the batch's last steps, which only they run. So, rows having
+    the same number of tokens to go (``generate()``'s ``max_new_tokens``), a row ahead of the rows that have
+    generated least is worth ``c_B(2) - 1`` (``second_token_cost``: a second token in each of ``B`` rows
+    adds ``c_B(2) - 1`` one-token forwards, one row's token a ``B``-th of that), at most 1, and the rows
+    behind share the rest of the ``B`` tokens a step is worth. Before, every row's token was worth 1, and on
+    a CPU the batch widened its forwards for rows whose gains no forward was spared by. Measured in one
+    process (smollm2-135m float32, one thread of a 2-core AMD EPYC, plain batched decoding and the mixture
+    without and with these values alternated three times, a fresh drafter each call, 128 new tokens):
+    code edits in two batches of 4 rows went from 1.22x to 1.27x and from 1.14x to 1.20x plain batched
+    decoding; the first turns of Spec-Bench's stem and humanities questions, 5 rows, where little is
+    accepted, read 0.967x and 0.976x, 0.987x and 0.979x (96 new tokens: within the spread of three runs).
+
+    Worked example: progress ``[10, 12, 10, 10]``, ``c_B(2) = 1.4``: the row at 12 is worth 0.4, the three
+    at 10 share ``4 - 0.4``, 1.2 each. Where ``c_B(2)`` is near 1 (a GPU), only the rows behind are worth
+    drafting for; the others' drafts ride in the width those rows chose.
+    """
+    if len(progress) < 2 or min(progress) == max(progress):
+        return None
+    ahead = min(1.0, max(0.0, second_token_cost - 1.0))
+    least = min(progress)
+    behind = sum(1 for done in progress if done == least)
+    share = (len(progress) - ahead * (len(progress) - behind)) / behind
+    return [share if done == least else ahead for done in progress]
+
+
 def calibrate_lookup(calibrator: AcceptanceCalibrator, source: str, match_len: int,
                      draft: Draft) -> tuple[Draft, list[tuple]]:
     """A lookup source's tree with calibrated path probabilities as confidence, and each node's kind.
@@ -893,16 +924,19 @@ class DraftSizer:
                 best = (best_rate, option, best_k)
         return best[1], best[2]
 
-    def fit_batch(self, request_ids: list, drafts: list[Draft], batch_size: int) -> list[Draft]:
+    def fit_batch(self, request_ids: list, drafts: list[Draft], batch_size: int,
+                  progress: list[int] | None = None) -> list[Draft]:
         """The rows' drafts of one padded batch forward, each cut to its ``W`` best nodes for the one ``W`` that
         maximizes the batch's expected tokens per unit of time.
 
         ``select`` sizes each row as if its width were the step's, but a padded batch forward is as wide as its
         widest row: every row pays ``c_B(1 + max k)``. So the step keeps the common cap ``W`` that maximizes
-        ``sum over rows of (1 + S_i(min(k_i, W))) / (c_B(1 + W) + h(sum of min(k_i, W)) / t1)``, ``S_i(k)`` the
-        sum of row ``i``'s ``k`` highest path probabilities (ties: the smaller ``W``). A row's remembered
-        nodes (for ``judge``) are cut with it. Drafts with not-candidate nodes (a lookahead window), without
-        confidence, or any not chosen by ``select`` for its request, leave the batch as it is.
+        ``sum over rows of (1 + v_i S_i(min(k_i, W))) / (c_B(1 + W) + h(sum of min(k_i, W)) / t1)``, ``S_i(k)``
+        the sum of row ``i``'s ``k`` highest path probabilities (ties: the smaller ``W``) and ``v_i`` what a token
+        of row ``i`` is worth to the batch (``row_values``; 1 for every row without ``progress``, the tokens each
+        row has generated so far). A row's remembered nodes (for ``judge``) are cut with it. Drafts with
+        not-candidate nodes (a lookahead window), without confidence, or any not chosen by ``select`` for its
+        request, leave the batch as it is.
         Worked example: ``c(n) = 1 + 0.3 (n - 1)``, one row drafting path probabilities ``[0.9, 0.5]`` and
         seven drafting none: ``W = 0`` gives 8/1 = 8, ``W = 1`` 8.9/1.3 = 6.85, ``W = 2`` 9.4/1.6 = 5.88,
         so no row drafts (alone, that row would have kept both nodes: 2.4/1.6 = 1.5 against 1).
@@ -927,6 +961,9 @@ class DraftSizer:
         a, b = host.fit() if one_token_s else (0.0, 0.0)
         a, b = (a / one_token_s, b / one_token_s) if one_token_s else (0.0, 0.0)
         prefix = [[0.0] + list(itertools.accumulate(probs)) for probs in sorted_probs]
+        values = None if progress is None else row_values(progress, forward[1])
+        if values is not None:
+            prefix = [[value * total for total in sums] for value, sums in zip(values, prefix)]
         best_rate, best_cap = -1.0, widest
         for cap in range(widest + 1):
             fed = [min(width, cap) for width in widths]

@@ -333,7 +333,8 @@ class MixtureDrafter(Drafter):
 
     def fit_batch(self, request_ids: list, drafts: list[Draft], batch_size: int) -> list[Draft]:
         """The sizer's joint cut (``DraftSizer.fit_batch``): every row of a padded forward pays its widest."""
-        return self.sizer.fit_batch(request_ids, drafts, batch_size)
+        return self.sizer.fit_batch(request_ids, drafts, batch_size,
+                                    [self.num_generated(request_id) for request_id in request_ids])
 
     def _self_draft(self, request_id, budget: Budget) -> Draft:
         """The early-exit draft, in a batch of one, when its gate predicts a gain; else none."""

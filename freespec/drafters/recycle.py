@@ -396,7 +396,8 @@ class RecycleDrafter(Drafter):
         self.sizer.on_forward(report)
 
     def fit_batch(self, request_ids: list, drafts: list[Draft], batch_size: int) -> list[Draft]:
-        return self.sizer.fit_batch(request_ids, drafts, batch_size)
+        return self.sizer.fit_batch(request_ids, drafts, batch_size,
+                                    [self.num_generated(request_id) for request_id in request_ids])
 
     def _propose(self, request_id, budget: Budget) -> Draft:
         draft, kinds = self.recycle.draft(request_id, self.context(request_id), budget, self.sizer.calibrator)
