@@ -11,7 +11,7 @@ from freespec.drafters import make
 from freespec.drafters.base import ForwardReport
 from freespec.drafters.corpus import DocumentIndex
 from freespec.drafters.base import VerifyOutput
-from freespec.drafters.calibration import AcceptanceCalibrator, CostModel, DraftSizer, HostCostModel, row_values
+from freespec.drafters.calibration import AcceptanceCalibrator, CostModel, DraftSizer, HostCostModel, padded_step_values
 from freespec.drafters.mixture import MixtureDrafter
 from freespec.drafters.suffix import RequestHistory
 
@@ -269,28 +269,62 @@ def test_a_padded_batch_is_cut_to_its_best_common_width():
     assert same(sizer.fit_batch(["r0", "r1"], [windowed, empty], 2), [windowed, empty])
 
 
-def test_row_values_price_rows_ahead_at_one_rows_token():
-    """row_values' worked example; rows that have generated as many tokens are all worth 1 (None); the values of
-    a batch sum to its rows whatever the cost (a step is worth as much, shared differently)."""
-    assert row_values([10, 12, 10, 10], 1.4) == pytest.approx([1.2, 0.4, 1.2, 1.2])
-    assert row_values([7, 7, 7], 1.9) is None and row_values([3], 1.2) is None
-    assert row_values([5, 9], 1.0) == [2.0, 0.0]  # a flat forward: only the row behind is worth a draft
-    assert row_values([5, 9, 6], 3.0) == [1.0, 1.0, 1.0]  # a second token dearer than a row's: every row 1
+def _step_worth(rows, progress, second_token_cost, cap):
+    """padded_step_values' value at ``cap``, computed by enumerating every joint outcome: row i accepts d tokens
+    with probability P(g_i >= d) - P(g_i >= d + 1); the step is worth B + beta * sum g + alpha * (the rise of
+    the least progress beyond the bonus token)."""
+    import itertools
+
+    beta = min(1.0, max(0.0, second_token_cost - 1.0))
+    alpha = len(rows) * (1.0 - beta)
+    outcomes = []
+    for nodes in rows:
+        tail = [1.0]
+        for probability, depth in nodes[:cap]:
+            tail += [0.0] * (depth + 1 - len(tail))
+            tail[depth] += probability
+        tail.append(0.0)
+        outcomes.append([(d, tail[d] - tail[d + 1]) for d in range(len(tail) - 1)])
+    least, worth = min(progress), 0.0
+    for joint in itertools.product(*outcomes):
+        chance = math.prod(p for _, p in joint)
+        gained = [d for d, _ in joint]
+        rise = min(done + g for done, g in zip(progress, gained)) - least
+        worth += chance * (len(rows) + beta * sum(gained) + alpha * rise)
+    return worth
+
+
+def test_padded_step_values_is_the_expected_worth_of_every_outcome():
+    """padded_step_values' worked example; where a second token costs a whole forward, every token is worth 1
+    (the rows' sum); on random chains and trees, each cap's value is what enumerating every joint outcome gives."""
+    assert padded_step_values([[(0.8, 1)], []], [3, 3], 1.5, 1) == pytest.approx([2.0, 2.4])
+    rows = [[(0.9, 1), (0.8, 2)], [(0.9, 1), (0.7, 2)]]
+    assert padded_step_values(rows, [3, 3], 2.5, 2) == pytest.approx([2.0, 3.8, 5.3])
+    assert padded_step_values(rows, [3, 3], 1.0, 2) == pytest.approx([2.0, 2 + 2 * 0.81, 2 + 2 * (0.81 + 0.56)])
     rng = np.random.default_rng(11)
-    for _ in range(200):
-        progress = rng.integers(0, 4, int(rng.integers(2, 9))).tolist()
-        values = row_values(progress, 1.0 + float(rng.random()))
-        if values is not None:
-            least = min(progress)
-            assert sum(values) == pytest.approx(len(progress))
-            assert min(v for v, done in zip(values, progress) if done == least) >= \
-                max(v for v, done in zip(values, progress) if done > least)
+    for _ in range(150):
+        rows = []
+        for _ in range(int(rng.integers(2, 5))):
+            n = int(rng.integers(0, 5))
+            parents = [int(rng.integers(-1, i)) for i in range(n)]
+            depth, probability = [], []
+            for i, parent in enumerate(parents):  # siblings share their parent's probability, as a tree's paths do
+                depth.append(1 if parent < 0 else depth[parent] + 1)
+                above = 1.0 if parent < 0 else probability[parent]
+                siblings = sum(probability[j] for j in range(i) if parents[j] == parent)
+                probability.append(float(rng.random()) * max(0.0, above - siblings))
+            rows.append(sorted(zip(probability, depth), key=lambda node: -node[0]))
+        progress = rng.integers(0, 3, len(rows)).tolist()
+        cost = 1.0 + 1.2 * float(rng.random())
+        widest = max(len(nodes) for nodes in rows)
+        values = padded_step_values(rows, progress, cost, widest)
+        assert values == pytest.approx([_step_worth(rows, progress, cost, cap) for cap in range(widest + 1)])
 
 
 def test_fit_batch_is_the_brute_force_common_width():
     """On random calibrated trees in random batches, the common cap is the one a brute-force search over every
-    width finds (the rate each width gives, computed plainly, each row's tokens at its ``row_values`` where the
-    rows' progress differs), each row keeps its best min(k, W) nodes and judge sees the kinds of those nodes
+    width finds (the rate each width gives, computed plainly: with the rows' progress, the step's expected worth
+    over every joint outcome), each row keeps its best min(k, W) nodes and judge sees the kinds of those nodes
     only."""
     rng = np.random.default_rng(5)
     caps = []  # (the cap, the widest row's width) per batch
@@ -314,17 +348,14 @@ def test_fit_batch_is_the_brute_force_common_width():
         fitted = sizer.fit_batch(rids, drafts, batch_size, progress)
         widths = [draft.num_nodes for draft in drafts]
         tops = [sorted(draft.confidence.tolist(), reverse=True) if draft.num_nodes else [] for draft in drafts]
-        values = [1.0] * batch_size
-        if progress is not None and min(progress) < max(progress):  # row_values, computed plainly
-            least, ahead = min(progress), min(1.0, sizer.cost_model.cost(2, batch_size) - 1.0)
-            behind = progress.count(least)
-            values = [(batch_size - ahead * (batch_size - behind)) / behind if done == least else ahead
-                      for done in progress]
+        nodes = [sorted(zip(draft.confidence.tolist(), draft.depths().tolist()), key=lambda node: -node[0])
+                 if draft.num_nodes else [] for draft in drafts]
 
         def rate(cap):
             fed = [min(width, cap) for width in widths]
-            return sum(1.0 + value * sum(top[:k]) for value, top, k in zip(values, tops, fed)) \
-                / sizer.cost_model.cost(1 + cap, batch_size)
+            worth = sum(1.0 + sum(top[:k]) for top, k in zip(tops, fed)) if progress is None else \
+                _step_worth(nodes, progress, sizer.cost_model.cost(2, batch_size), cap)
+            return worth / sizer.cost_model.cost(1 + cap, batch_size)
 
         best = max(range(max(widths) + 1), key=lambda cap: (rate(cap), -cap))
         caps.append((best, max(widths)))

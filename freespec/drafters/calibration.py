@@ -718,35 +718,67 @@ class AcceptanceCalibrator:
             self.update(kinds[i], accepted[i])
 
 
-def row_values(progress: list[int], second_token_cost: float) -> list[float] | None:
-    """What a token accepted in each row of a padded batch is worth, in units of the step's mean token; None
-    when every row has generated as many tokens (each is worth 1).
+def padded_step_values(rows: list[list[tuple[float, int]]], progress: list[int], second_token_cost: float,
+                       widest: int) -> list[float]:
+    """What a padded batch step is worth for each common cap ``W = 0 .. widest``, in the step's mean tokens
+    (``B`` with no draft): ``rows[i]`` holds row ``i``'s draft nodes best first as ``(path probability, depth)``
+    (it keeps its first ``min(k_i, W)``), ``progress[i]`` the tokens it has generated.
 
-    A padded batch runs until its last row is done, and a row that is done leaves it. A token a row gains
-    makes it leave one step earlier: for a row ahead of another, that saves the step one row's token, where
-    the rows that have generated least save the batch's last steps, which only they run. So, rows having
-    the same number of tokens to go (``generate()``'s ``max_new_tokens``), a row ahead of the rows that have
-    generated least is worth ``c_B(2) - 1`` (``second_token_cost``: a second token in each of ``B`` rows
-    adds ``c_B(2) - 1`` one-token forwards, one row's token a ``B``-th of that), at most 1, and the rows
-    behind share the rest of the ``B`` tokens a step is worth. Before, every row's token was worth 1, and on
-    a CPU the batch widened its forwards for rows whose gains no forward was spared by. Measured in one
-    process (smollm2-135m float32, one thread of a 2-core AMD EPYC, plain batched decoding and the mixture
-    without and with these values alternated three times, a fresh drafter each call, 128 new tokens):
-    code edits in two batches of 4 rows went from 1.22x to 1.27x and from 1.14x to 1.20x plain batched
-    decoding; the first turns of Spec-Bench's stem and humanities questions, 5 rows, where little is
-    accepted, read 0.967x and 0.976x, 0.987x and 0.979x (96 new tokens: within the spread of three runs).
+    A padded batch runs until its last row is done, and a row that is done leaves it. With rows that have as
+    many tokens to go (``generate()``'s ``max_new_tokens``; a row that ends early makes ``progress`` a guess)
+    and a forward of ``r`` rows costing ``T(r) = alpha + beta r``, the batch's remaining time is ``alpha *
+    (the most steps any row has left) + beta * (the steps all rows have left)``. A step gains every row its
+    bonus token and ``g_i`` accepted ones, so, in units of ``T(B) / B``, it is worth ``B + b * sum g_i + a *
+    (how far the least progress rose beyond the bonus)``: ``b = c_B(2) - 1`` (``second_token_cost``; a second
+    token in each of ``B`` rows adds ``c_B(2) - 1`` one-token forwards, so one row's token a ``B``-th of
+    that), at most 1, and ``a = B (1 - b)``. The expected sum is the rows' path probabilities; the expected
+    rise, rows accepting independently, ``sum over t >= 1 of prod over rows of P(g_i >= t - (progress_i -
+    least))``, ``P(g_i >= d)`` the summed path probabilities of row ``i``'s kept nodes at depth ``d``. So a
+    token of a row ahead of others is worth ``b`` (it spares one row's share of a later forward), and the
+    rows behind are worth whole forwards only together: on a GPU (``c_B(2)`` near 1) a batch drafts where
+    its slowest rows are likely to gain; where ``c_B(2) >= 2`` every token is worth 1.
 
-    Worked example: progress ``[10, 12, 10, 10]``, ``c_B(2) = 1.4``: the row at 12 is worth 0.4, the three
-    at 10 share ``4 - 0.4``, 1.2 each. Where ``c_B(2)`` is near 1 (a GPU), only the rows behind are worth
-    drafting for; the others' drafts ride in the width those rows chose.
+    Before, every token was worth 1, and on a CPU batches widened their forwards for drafts whose gains no
+    forward was spared by. Measured in one process (smollm2-135m float32, one thread of a 2-core AMD EPYC;
+    plain batched decoding and the mixture with every token at 1 and with these values, alternated three
+    times, a fresh drafter each call): the first turns of Spec-Bench's stem questions (5 rows, 96 new tokens)
+    went from 0.956x to 1.001x plain batched decoding, its writing questions (5 rows, 128) from 0.928x to
+    1.011x, code edits in batches of 4 (128) from 1.222x to 1.272x and from 1.119x to 1.131x. Valuing the
+    rows behind each on its own (a share of the step each, not together) read 0.983x and 1.142x on the last
+    two.
+
+    Worked example: two rows, progress ``[3, 3]``, ``c_B(2) = 1.5``, row 0 drafting one node of probability
+    0.8 at depth 1 and row 1 none: ``W = 0`` is worth 2, ``W = 1`` ``2 + 0.5 * 0.8 + 1 * 0 = 2.4`` (the least
+    progress cannot rise: row 1 drafts nothing), where every token at 1 read 2.8.
     """
-    if len(progress) < 2 or min(progress) == max(progress):
-        return None
-    ahead = min(1.0, max(0.0, second_token_cost - 1.0))
+    beta = min(1.0, max(0.0, second_token_cost - 1.0))
+    alpha = len(rows) * (1.0 - beta)
     least = min(progress)
-    behind = sum(1 for done in progress if done == least)
-    share = (len(progress) - ahead * (len(progress) - behind)) / behind
-    return [share if done == least else ahead for done in progress]
+    lead = [done - least for done in progress]  # tokens each row is ahead of the rows behind
+    tails = [[1.0] for _ in rows]  # tails[i][d]: P(row i accepts d tokens or more), of the nodes kept so far
+    total, values = 0.0, []
+    for cap in range(widest + 1):
+        if cap:
+            for nodes, tail in zip(rows, tails):
+                if cap <= len(nodes):
+                    probability, depth = nodes[cap - 1]
+                    total += probability
+                    tail.extend([0.0] * (depth + 1 - len(tail)))
+                    tail[depth] += probability
+        rise, t = 0.0, 1
+        while True:
+            together = 1.0
+            for ahead, tail in zip(lead, tails):
+                if t > ahead:
+                    together *= tail[t - ahead] if t - ahead < len(tail) else 0.0
+                    if together == 0.0:
+                        break
+            if together == 0.0:
+                break
+            rise += together
+            t += 1
+        values.append(len(rows) + beta * total + alpha * rise)
+    return values
 
 
 def calibrate_lookup(calibrator: AcceptanceCalibrator, source: str, match_len: int,
@@ -931,12 +963,12 @@ class DraftSizer:
 
         ``select`` sizes each row as if its width were the step's, but a padded batch forward is as wide as its
         widest row: every row pays ``c_B(1 + max k)``. So the step keeps the common cap ``W`` that maximizes
-        ``sum over rows of (1 + v_i S_i(min(k_i, W))) / (c_B(1 + W) + h(sum of min(k_i, W)) / t1)``, ``S_i(k)``
-        the sum of row ``i``'s ``k`` highest path probabilities (ties: the smaller ``W``) and ``v_i`` what a token
-        of row ``i`` is worth to the batch (``row_values``; 1 for every row without ``progress``, the tokens each
-        row has generated so far). A row's remembered nodes (for ``judge``) are cut with it. Drafts with
-        not-candidate nodes (a lookahead window), without confidence, or any not chosen by ``select`` for its
-        request, leave the batch as it is.
+        ``V(W) / (c_B(1 + W) + h(sum of min(k_i, W)) / t1)`` (ties: the smaller ``W``), ``V(W)`` what the step is
+        worth: with ``progress`` (the tokens each row has generated so far), ``padded_step_values``, where the
+        batch lasts as long as its slowest rows; without, ``sum over rows of (1 + S_i(min(k_i, W)))``, ``S_i(k)``
+        the sum of row ``i``'s ``k`` highest path probabilities. A row's remembered nodes (for ``judge``) are cut
+        with it. Drafts with not-candidate nodes (a lookahead window), without confidence, or any not chosen by
+        ``select`` for its request, leave the batch as it is.
         Worked example: ``c(n) = 1 + 0.3 (n - 1)``, one row drafting path probabilities ``[0.9, 0.5]`` and
         seven drafting none: ``W = 0`` gives 8/1 = 8, ``W = 1`` 8.9/1.3 = 6.85, ``W = 2`` 9.4/1.6 = 5.88,
         so no row drafts (alone, that row would have kept both nodes: 2.4/1.6 = 1.5 against 1).
@@ -944,16 +976,21 @@ class DraftSizer:
         widths = [draft.num_nodes for draft in drafts]
         if len(drafts) <= 1 or not self.adaptive or not any(widths):
             return drafts
-        sorted_probs = []
+        sorted_probs, best_nodes = [], []  # per row: path probabilities best first; (probability, depth) alike
         for request_id, draft in zip(request_ids, drafts):
             if not draft.num_nodes:
                 sorted_probs.append([])
+                best_nodes.append([])
                 continue
             pending = self._pending.get(request_id)
             if draft.is_candidate is not None or draft.confidence is None or pending is None \
                     or pending[0] is not draft:
                 return drafts
             sorted_probs.append(sorted(draft.confidence.tolist(), reverse=True))
+            if progress is not None:
+                confidence, depths = draft.confidence.tolist(), draft.depths().tolist()
+                best_nodes.append([(confidence[i], depths[i])
+                                   for i in sorted(range(draft.num_nodes), key=lambda i: (-confidence[i], i))])
         widest = max(widths)
         forward = self.cost_model.cost_list(widest + 1, batch_size)  # [w - 1]: c_B(w)
         host = self.host_models.get(self.cost_model.bucket(batch_size))
@@ -961,13 +998,11 @@ class DraftSizer:
         a, b = host.fit() if one_token_s else (0.0, 0.0)
         a, b = (a / one_token_s, b / one_token_s) if one_token_s else (0.0, 0.0)
         prefix = [[0.0] + list(itertools.accumulate(probs)) for probs in sorted_probs]
-        values = None if progress is None else row_values(progress, forward[1])
-        if values is not None:
-            prefix = [[value * total for total in sums] for value, sums in zip(values, prefix)]
+        worth = None if progress is None else padded_step_values(best_nodes, progress, forward[1], widest)
         best_rate, best_cap = -1.0, widest
         for cap in range(widest + 1):
             fed = [min(width, cap) for width in widths]
-            expected = sum(1.0 + sums[k] for sums, k in zip(prefix, fed))
+            expected = sum(1.0 + sums[k] for sums, k in zip(prefix, fed)) if worth is None else worth[cap]
             rate = expected / (forward[cap] + a + b * sum(fed))
             if rate > best_rate:
                 best_rate, best_cap = rate, cap
