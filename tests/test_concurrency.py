@@ -33,7 +33,7 @@ from freespec.drafters.mixture import MixtureDrafter
 from freespec.drafters.suffix import RequestHistory, SuffixDrafter
 from freespec.testing.streams import code_streams, draft_paths
 
-UNLOCKED = {"context"}  # public methods of Drafter that need no lock (a read-only view for subclasses)
+UNLOCKED = {"context", "num_generated"}  # public methods of Drafter that need no lock (reads for subclasses)
 
 
 @pytest.fixture
