@@ -64,9 +64,9 @@ class CostModel:
     its lower neighbour, and the curve is extrapolated past ``MAX_WIDTH``; forwards of
     more than ``MAX_WIDTH`` tokens (prefills) are ignored.
     The curve is drawn when asked for after a change that matters: a width pinned (or
-    added to a pool), or a pinned width's median moved by more than ``REDRAW`` (1%) from
-    the median the curve was drawn from; each forward moves some median a little, and
-    drawing the curve again for that cost up to a third of a vLLM ``propose()`` step.
+    added to a pool), or a pinned width's median, or the one-token time, moved by more than
+    ``REDRAW`` (1%) from the one the curve was drawn from; each forward moves some median a
+    little, and drawing the curve again for that cost up to a third of a vLLM ``propose()`` step.
 
     ``CostModel().cost(9) == 1.24`` before any measurement. ``prior``: a callable giving the prior curve
     c(1..MAX_WIDTH) in place of the line (``BatchCostModel`` passes batch 1's curve, rescaled); such a prior is
@@ -118,10 +118,10 @@ class CostModel:
             return True
         if was_pinned:
             # a width pinned when the curve was drawn (it has been since: pinning one redraws the curve) whose
-            # median stays within REDRAW of the median the curve used leaves the curve as it is, unless the
-            # one-token time is read from every width's (width 1 has no forward) or it is width 1's own
+            # median stays within REDRAW of the median the curve used leaves the curve as it is, while the
+            # one-token time does too (``_base_holds``)
             drawn = self._drawn_medians[index]
-            keep = bool(self._times[0]) and abs(median - drawn) <= self.REDRAW * drawn
+            keep = abs(median - drawn) <= self.REDRAW * drawn and self._base_holds()
         else:
             keep = not self._moves_unpinned(index)
         if not keep:
@@ -131,18 +131,32 @@ class CostModel:
     def _moves_unpinned(self, index: int) -> bool:
         """Whether a forward just counted at width ``index + 1``, not pinned before it, changes what the curve is
         drawn from (``_known_points`` and the one-token time): it pinned the width; it is width 1 (the
-        one-token time); width 1 has no forward (the one-token time is read from every width's); or it joined
-        a group pooled, or about to be (no width of the group pinned on its own, ``min_samples`` forwards in
-        all). A forward that changes none of these (a width of a group with a pinned width, or of a pool still
-        short of ``min_samples``) leaves the curve as drawing it again would: on a flat curve, where the sizer
-        spreads its widths, it spared most redraws of a step (``scripts/draft_digest.py``, ``flat1``)."""
-        if index == 0 or not self._times[0] or len(self._times[index]) >= self.min_samples:
+        one-token time); it moved the one-token time read from every width's (width 1 has no forward) by more
+        than ``REDRAW``; or it joined a group pooled, or about to be (no width of the group pinned on its own,
+        ``min_samples`` forwards in all). A forward that changes none of these (a width of a group with a pinned
+        width, or of a pool still short of ``min_samples``) leaves the curve as drawing it again would: on a
+        flat curve, where the sizer spreads its widths, it spared most redraws of a step
+        (``scripts/draft_digest.py``, ``flat1``)."""
+        if index == 0 or len(self._times[index]) >= self.min_samples or not self._base_holds():
             return True
         group = self._group[index]
         members = range(self.GROUPS[group - 1], self.GROUPS[group])  # indices of the group's widths
         if any(len(self._times[i]) >= self.min_samples for i in members):
             return False
         return sum(len(self._times[i]) for i in members) >= self.min_samples
+
+    def _base_holds(self) -> bool:
+        """Whether the one-token time the curve divides by still holds: width 1's own median (``add`` follows it
+        as it does any pinned width's), or, while width 1 has no forward, the line ``_one_token_s`` reads now
+        within ``REDRAW`` of the one the curve was drawn with (None both, or neither). A host that packs rows end
+        to end (vLLM) never feeds one token, and every forward moved that line a little: the curve was drawn
+        again at every step, with every batch bucket's borrowed prior after it."""
+        if self._times[0]:
+            return True
+        base, drawn = self._one_token_s(), self._base_s
+        if base is None or drawn is None:
+            return base is drawn
+        return abs(base - drawn) <= self.REDRAW * drawn
 
     def prior_list(self) -> list[float]:
         """c(1..MAX_WIDTH) before measurement: ``prior``'s curve if given, else ``1 + prior_slope (n - 1)``."""
@@ -285,6 +299,8 @@ class CostModel:
         return int(np.count_nonzero(~np.isnan(self._medians)))
 
     def cost(self, num_tokens: int) -> float:
+        if isinstance(num_tokens, int) and 1 <= num_tokens <= self.MAX_WIDTH:  # np.interp at a knot: the knot
+            return self.curve_list()[num_tokens - 1]
         return float(self.costs(np.array([num_tokens]))[0])
 
     def cost_list(self, num_tokens: int) -> list[float]:
@@ -426,7 +442,15 @@ class BatchCostModel:
 
     def _borrowed(self, bucket: int) -> list[float]:
         """``_borrowed_costs`` of n = 1 .. ``CostModel.MAX_WIDTH``: bucket ``B``'s prior curve."""
-        return self._borrowed_costs(bucket, np.arange(1, CostModel.MAX_WIDTH + 1)).tolist()
+        return self._borrowed_list(bucket, CostModel.MAX_WIDTH)
+
+    def _borrowed_list(self, bucket: int, num_tokens: int) -> list[float]:
+        """``_borrowed_costs`` of n = 1 .. ``num_tokens`` as a list, read from batch 1's curve list (the same floats:
+        ``costs`` at a whole width is the curve's value there, past it the same line), without numpy's per-call
+        cost: a packing host (vLLM) asks for it each time batch 1's curve is drawn again."""
+        single = self._models[1].cost_list(bucket * num_tokens)
+        base = single[bucket - 1]
+        return [max(1.0, single[bucket * n - 1] / base) for n in range(1, num_tokens + 1)]
 
     def _borrowed_costs(self, bucket: int, num_tokens) -> np.ndarray:
         """c_1(B n) / c_1(B), at least 1, for each n of ``num_tokens``: bucket ``B``'s cost read from batch 1's."""
@@ -456,10 +480,9 @@ class BatchCostModel:
         bucket = self.bucket(batch_size)
         values = self._memo.get(("list", bucket))
         if values is None or len(values) < num_tokens:
-            width = max(num_tokens, CostModel.MAX_WIDTH + 1)
-            own = self._own(bucket)
-            values = own.cost_list(width) if own is not None else \
-                self.costs(np.arange(1, width + 1), batch_size).tolist()
+            own = self._own(bucket)  # a borrowed list: the widths asked for (vLLM's K + 1), not the curve's 130
+            values = own.cost_list(max(num_tokens, CostModel.MAX_WIDTH + 1)) if own is not None else \
+                self._borrowed_list(bucket, num_tokens)
             self._memo[("list", bucket)] = values
         return values
 
