@@ -57,12 +57,17 @@ class Budget:
     a drafter that sizes trees by cost prices a node at that batch size.
     ``chain``: the host verifies one chain, the draft's ``best_path`` (vLLM, ALiBi models): a drafter that
     sizes by cost sizes that path, not a tree whose other branches the host drops.
+    ``packed``: the host feeds the rows end to end (vLLM), so a step costs what its tokens in all cost and a
+    row's nodes add only their own; such a host calls ``Drafter.fit_batch(..., packed=True)`` once every row
+    has proposed. A drafter that sizes by cost then sizes each row as if it were alone (the most any row can
+    be worth) and cuts the rows together in ``fit_batch``.
     """
 
     num_nodes: int
     max_depth: int
     batch_size: int = 1
     chain: bool = False
+    packed: bool = False
 
     def __post_init__(self):
         if self.num_nodes < 0 or self.max_depth < 0 or self.batch_size < 1:

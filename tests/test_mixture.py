@@ -321,6 +321,42 @@ def test_padded_step_values_is_the_expected_worth_of_every_outcome():
         assert values == pytest.approx([_step_worth(rows, progress, cost, cap) for cap in range(widest + 1)])
 
 
+def _random_selected_rows(rng, sizer: DraftSizer, budget: Budget, most: int) -> tuple[list, list, dict]:
+    """``(request ids, drafts, kinds)``: ``budget.batch_size`` random calibrated trees of fewer than ``most``
+    nodes (a child's probability at most its parent's), each sized by ``sizer.select_nodes`` under ``budget``,
+    and the kinds of the nodes each kept."""
+    rids, drafts, proposed_kinds = [f"r{i}" for i in range(budget.batch_size)], [], {}
+    for rid in rids:
+        n = int(rng.integers(0, most))
+        parents = np.array([int(rng.integers(-1, i)) for i in range(n)], np.int32)
+        confidence = rng.random(n).astype(np.float32)
+        for i in range(n):
+            if parents[i] >= 0:
+                confidence[i] *= confidence[parents[i]]
+        kinds = [("k", rid, i) for i in range(n)]
+        chosen, keep, _ = sizer.select_nodes(rid, Draft(np.arange(100, 100 + n), parents, confidence), kinds, budget)
+        drafts.append(chosen)
+        proposed_kinds[rid] = [kinds[i] for i in keep]
+    return rids, drafts, proposed_kinds
+
+
+def _check_rows_keep_their_best_nodes(sizer: DraftSizer, rids: list, drafts: list, fitted: list,
+                                      proposed_kinds: dict) -> None:
+    """Each row of a joint cut is its draft where it keeps every node, else a valid tree of its best nodes (ties:
+    the lower index), and what the sizer remembers for judge is that tree with those nodes' kinds."""
+    for rid, draft, cut in zip(rids, drafts, fitted, strict=True):
+        if cut.num_nodes == draft.num_nodes:
+            assert cut is draft
+            continue
+        order = sorted(range(draft.num_nodes), key=lambda i: (-float(draft.confidence[i]), i))[:cut.num_nodes]
+        assert cut.token_ids.tolist() == draft.token_ids[sorted(order)].tolist()
+        cut.validate()
+        if cut.num_nodes:
+            assert sizer._pending[rid] == (cut, [proposed_kinds[rid][i] for i in sorted(order)])
+        else:
+            assert rid not in sizer._pending
+
+
 def test_fit_batch_is_the_brute_force_common_width():
     """On random calibrated trees in random batches, the common cap is the one a brute-force search over every
     width finds (the rate each width gives, computed plainly: with the rows' progress, the step's expected worth
@@ -331,19 +367,7 @@ def test_fit_batch_is_the_brute_force_common_width():
     for case in range(120):
         batch_size, slope = int(rng.integers(2, 9)), float(rng.choice([0.01, 0.1, 0.3, 1.0]))
         sizer = _batch_sizer(batch_size, slope)
-        rids, drafts, proposed_kinds = [f"r{i}" for i in range(batch_size)], [], {}
-        for rid in rids:
-            n = int(rng.integers(0, 10))
-            parents = np.array([int(rng.integers(-1, i)) for i in range(n)], np.int32)
-            confidence = rng.random(n).astype(np.float32)
-            for i in range(n):
-                if parents[i] >= 0:
-                    confidence[i] *= confidence[parents[i]]
-            tree = Draft(np.arange(100, 100 + n), parents, confidence)
-            kinds = [("k", rid, i) for i in range(n)]
-            chosen, keep, _ = sizer.select_nodes(rid, tree, kinds, Budget(16, 16, batch_size))
-            drafts.append(chosen)
-            proposed_kinds[rid] = [kinds[i] for i in keep]
+        rids, drafts, proposed_kinds = _random_selected_rows(rng, sizer, Budget(16, 16, batch_size), 10)
         progress = None if case % 2 else rng.integers(0, 3, batch_size).tolist()
         fitted = sizer.fit_batch(rids, drafts, batch_size, progress)
         widths = [draft.num_nodes for draft in drafts]
@@ -359,20 +383,75 @@ def test_fit_batch_is_the_brute_force_common_width():
 
         best = max(range(max(widths) + 1), key=lambda cap: (rate(cap), -cap))
         caps.append((best, max(widths)))
-        for rid, draft, cut in zip(rids, drafts, fitted):
-            assert cut.num_nodes == min(draft.num_nodes, best)
-            if cut.num_nodes == draft.num_nodes:
-                assert cut is draft
-                continue
-            order = sorted(range(draft.num_nodes), key=lambda i: (-float(draft.confidence[i]), i))[:best]
-            assert cut.token_ids.tolist() == draft.token_ids[sorted(order)].tolist()
-            cut.validate()
-            if cut.num_nodes:
-                assert sizer._pending[rid] == (cut, [proposed_kinds[rid][i] for i in sorted(order)])
-            else:
-                assert rid not in sizer._pending
+        assert [cut.num_nodes for cut in fitted] == [min(draft.num_nodes, best) for draft in drafts]
+        _check_rows_keep_their_best_nodes(sizer, rids, drafts, fitted, proposed_kinds)
     assert any(cap == 0 < widest for cap, widest in caps) and any(0 < cap < widest for cap, widest in caps)
     assert any(0 < cap == widest for cap, widest in caps)
+
+
+def _packed_sizer(slope: float) -> DraftSizer:
+    """A sizer whose batch-1 curve is c_1(n) = 1 + slope (n - 1), measured as a packing host reports its steps
+    (each by its tokens in all)."""
+    sizer = DraftSizer()
+    for width in range(1, 97):
+        for _ in range(3):
+            sizer.on_forward(ForwardReport(("x",), (width,), 0.1 * (1 + slope * (width - 1)), packed=True))
+    return sizer
+
+
+def test_a_packed_batch_keeps_the_best_nodes_of_all_rows():
+    """_fit_packed's worked examples: sized alone (Budget.packed) each row keeps what pays for a step of its own;
+    together the step keeps the nodes that beat what its tokens earn, whatever their rows."""
+    budget = Budget(8, 8, 4, chain=True, packed=True)
+    chain = lambda probs: Draft(np.arange(10, 10 + len(probs)), np.arange(-1, len(probs) - 1),  # noqa: E731
+                                np.array(probs, np.float32))
+    for slope, kept in ((0.1, [2, 0, 0, 0]), (0.01, [2, 1, 1, 1])):
+        sizer = _packed_sizer(slope)
+        rids = ["r0", "r1", "r2", "r3"]
+        drafts = [sizer.select(rid, chain(probs), [("k", rid, i) for i in range(len(probs))], budget)[0]
+                  for rid, probs in zip(rids, ([0.9, 0.5], [0.3], [0.3], [0.3]))]
+        assert [draft.num_nodes for draft in drafts] == [2, 1, 1, 1]  # alone: 1.3 / c(2) > 1
+        # slope 0.1: M = 0 gives 4 / 1.3 = 3.08, M = 1 4.9 / 1.4 = 3.5, M = 2 5.4 / 1.5 = 3.6, M = 3 5.7 / 1.6
+        fitted = sizer.fit_batch(rids, drafts, 4, packed=True)
+        assert [draft.num_nodes for draft in fitted] == kept
+        assert all(cut is draft for cut, draft in zip(fitted, drafts) if cut.num_nodes == draft.num_nodes)
+        assert all((rid in sizer._pending) == bool(k) for rid, k in zip(rids, kept))
+    # the docstring's: two rows, [0.9, 0.5] and [0.3]; at slope 0.5 alone the first keeps one node, the second none
+    sizer = _packed_sizer(0.5)
+    budget = Budget(8, 8, 2, chain=True, packed=True)
+    drafts = [sizer.select(rid, chain(probs), [("k", i) for i in range(len(probs))], budget)[0]
+              for rid, probs in (("a", [0.9, 0.5]), ("b", [0.3]))]
+    assert [draft.num_nodes for draft in drafts] == [1, 0]
+    assert [draft.num_nodes for draft in sizer.fit_batch(["a", "b"], drafts, 2, packed=True)] == [1, 0]
+
+
+def test_fit_packed_is_the_brute_force_best_choice_of_every_rows_nodes():
+    """On random calibrated trees sized alone (Budget.packed), the packed cut keeps, of all choices of each row's
+    best nodes (every combination of how many each row keeps), one of the best rate ``(B + kept probabilities) /
+    c_1(B + kept nodes)``, with the fewest nodes among those; each row keeps its best nodes, judge their kinds."""
+    import itertools
+
+    rng = np.random.default_rng(8)
+    cuts = 0
+    for case in range(100):
+        batch_size, slope = int(rng.integers(2, 6)), float(rng.choice([0.0, 0.01, 0.05, 0.2, 1.0]))
+        sizer = _packed_sizer(slope)
+        rids, drafts, proposed_kinds = _random_selected_rows(rng, sizer, Budget(16, 16, batch_size, packed=True), 6)
+        fitted = sizer.fit_batch(rids, drafts, batch_size, packed=True)
+        tops = [sorted(draft.confidence.tolist(), reverse=True) if draft.num_nodes else [] for draft in drafts]
+        cost = lambda tokens: 1 + slope * (tokens - 1)  # noqa: E731  (the measured curve, exactly)
+
+        def rate(counts):
+            return (batch_size + sum(sum(top[:k]) for top, k in zip(tops, counts))) / cost(batch_size + sum(counts))
+
+        choices = list(itertools.product(*(range(len(top) + 1) for top in tops)))
+        best = max(rate(counts) for counts in choices)
+        fewest = min(sum(counts) for counts in choices if rate(counts) >= best * (1 - 1e-9))
+        counts = [draft.num_nodes for draft in fitted]
+        assert rate(counts) == pytest.approx(best, rel=1e-9) and sum(counts) == fewest, (case, counts)
+        cuts += counts != [draft.num_nodes for draft in drafts]
+        _check_rows_keep_their_best_nodes(sizer, rids, drafts, fitted, proposed_kinds)
+    assert 20 < cuts < 100  # the cut is taken, and left where every node pays
 
 
 def test_chain_sizing_is_the_sorted_path_sizing():

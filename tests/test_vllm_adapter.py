@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from freespec.drafters import make
-from freespec.drafters.base import Drafter
+from freespec.drafters.base import Drafter, ForwardReport
 from freespec.draft import Draft
 from freespec.integrations.host_requests import HostRequests
 from freespec.integrations.vllm import hints, options, proposer as proposer_module
@@ -297,6 +297,67 @@ def test_each_step_is_reported_as_a_packed_batch(monkeypatch):
     (report,) = reports
     assert report.request_ids == ("a", "b") and report.tokens_per_row == (4, 4)
     assert report.packed and report.num_tokens == 8 and report.forward_s > 0
+
+
+def test_a_step_is_cut_together_as_one_packed_forward(monkeypatch, caplog):
+    """Every row drafts under a packed budget (sized alone), then the drafter cuts the step's rows together
+    (``fit_batch(..., packed=True)``), every row of the step in its order, an empty draft where a row has none;
+    what it keeps is what vLLM verifies. A step of one row is not cut; a failing cut costs the step's drafts."""
+
+    class Fitting(Recording):
+        def __init__(self, fail=False):
+            super().__init__(fail_on=50)
+            self.budgets, self.fits, self.fail = [], [], fail
+
+        def _propose(self, request_id, budget):
+            self.budgets.append(budget)
+            return super()._propose(request_id, budget)
+
+        def fit_batch(self, request_ids, drafts, batch_size, packed=False):
+            if self.fail:
+                raise RuntimeError("fit failure")
+            self.fits.append((list(request_ids), [d.token_ids.tolist() for d in drafts], batch_size, packed))
+            return [d.select(np.arange(min(1, d.num_nodes))) if rid == "b" else d for rid, d in zip(request_ids, drafts)]
+
+    drafter = Fitting()
+    prop, runner = _proposer(monkeypatch, drafter)
+    out = runner.step({"a": [1, 2], "b": [10, 11], "c": [1, 50], "d": [30]}, {"a": [2], "b": [11], "c": [50], "d": []})
+    assert out == [[3, 4, 5], [12], [], []]  # c: its drafter failed; d: a partial prefill (no row of the step)
+    assert drafter.fits == [(["a", "b", "c"], [[3, 4, 5], [12, 13, 14], []], 3, True)]
+    assert all(budget.packed and budget.chain and budget.batch_size == 3 for budget in drafter.budgets)
+    drafter.fits.clear()
+    assert runner.step({"a": [1, 2, 3]}, {"a": [3]}, finished=["b", "c", "d"]) == [[4, 5, 6]] and not drafter.fits
+    failing = Fitting(fail=True)
+    prop, runner = _proposer(monkeypatch, failing)
+    assert runner.step({"a": [1, 2], "b": [10, 11]}, {"a": [2], "b": [11]}) == [[], []]
+    assert prop.num_errors == 1
+
+
+def test_the_mixture_cuts_a_packed_step_by_its_tokens_in_all(monkeypatch):
+    """Under vLLM the mixture sizes each row alone and cuts the step's rows together: four rows that copy their
+    prompts each draft a prefix of what the same row drafts alone on the same packed curve; where tokens are free
+    (a flat curve) every row keeps its whole draft, where each costs a tenth of a step the step keeps fewer."""
+
+    def mixture(slope):
+        drafter = make("mixture", recycle=False, lookahead=False)
+        for width in range(1, 60):
+            for _ in range(3):
+                drafter.on_forward(ForwardReport(("x",), (width,), 0.1 * (1 + slope * (width - 1)), packed=True))
+        return drafter
+
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7]
+    rows = {rid: [t + 100 * i for t in prompt] for i, rid in enumerate("abcd")}
+    kept = {}
+    for slope in (0.0, 0.1):
+        alone = []
+        for rid, seq in rows.items():
+            _, runner = _proposer(monkeypatch, mixture(slope), k=6)
+            alone += runner.step({rid: seq}, {rid: seq[-1:]})
+        _, runner = _proposer(monkeypatch, mixture(slope), k=6)
+        together = runner.step(rows, {rid: seq[-1:] for rid, seq in rows.items()})
+        assert all(draft == mine[:len(draft)] for draft, mine in zip(together, alone)), (slope, together, alone)
+        kept[slope] = (sum(map(len, together)), sum(map(len, alone)))
+    assert kept[0.0][0] == kept[0.0][1] > 0 and 0 < kept[0.1][0] < kept[0.1][1], kept
 
 
 def test_the_mixture_drafts_a_chain_from_the_prompt(monkeypatch):

@@ -312,11 +312,13 @@ class Drafter(Lockable):
         return self._propose(request_id, budget)
 
     @_locked
-    def fit_batch(self, request_ids: list, drafts: list[Draft], batch_size: int) -> list[Draft]:
-        """The drafts of one padded batch forward (``drafts[i]`` proposed for ``request_ids[i]``), as the engine
-        will verify them: each the proposed draft or a sub-tree of it holding its root's paths. A padded
-        forward is as wide as its widest row, so a drafter that sizes drafts by cost may cut them jointly
-        (``mixture``). Default: as proposed."""
+    def fit_batch(self, request_ids: list, drafts: list[Draft], batch_size: int,
+                  packed: bool = False) -> list[Draft]:
+        """The drafts of one batch forward (``drafts[i]`` proposed for ``request_ids[i]``), as the host will verify
+        them: each the proposed draft or a sub-tree of it holding its root's paths. A padded forward is as wide
+        as its widest row; a packed one (``packed``: rows end to end, proposed under ``Budget.packed``) costs
+        what its tokens in all cost. So a drafter that sizes drafts by cost may cut them jointly (``mixture``).
+        Default: as proposed."""
         return drafts
 
     @_locked

@@ -967,7 +967,8 @@ class DraftSizer:
             if not self.adaptive:
                 best = (0.0, option, available)  # the last option that fits
                 continue
-            costs = self.step_costs(num_extra + available, budget.batch_size)  # [w - 1]: c(w) + h(w - 1) / t1
+            # [w - 1]: c(w) + h(w - 1) / t1; rows packed end to end: the row alone (fit_batch cuts them together)
+            costs = self.step_costs(num_extra + available, 1 if budget.packed else budget.batch_size)
             base = 1.0 + num_extra * value
             best_rate, best_k, expected = base / costs[num_extra], 0, 0.0
             for k in range(available):  # expected tokens of the k + 1 best nodes: base + their sum
@@ -980,9 +981,9 @@ class DraftSizer:
         return best[1], best[2]
 
     def fit_batch(self, request_ids: list, drafts: list[Draft], batch_size: int,
-                  progress: list[int] | None = None) -> list[Draft]:
+                  progress: list[int] | None = None, packed: bool = False) -> list[Draft]:
         """The rows' drafts of one padded batch forward, each cut to its ``W`` best nodes for the one ``W`` that
-        maximizes the batch's expected tokens per unit of time.
+        maximizes the batch's expected tokens per unit of time; of one packed forward (``packed``), ``_fit_packed``.
 
         ``select`` sizes each row as if its width were the step's, but a padded batch forward is as wide as its
         widest row: every row pays ``c_B(1 + max k)``. So the step keeps the common cap ``W`` that maximizes
@@ -999,20 +1000,12 @@ class DraftSizer:
         widths = [draft.num_nodes for draft in drafts]
         if len(drafts) <= 1 or not self.adaptive or not any(widths):
             return drafts
-        orders, sorted_probs = [], []  # per row: its nodes best first (ties: the lower index), their probabilities
-        for request_id, draft in zip(request_ids, drafts):
-            if not draft.num_nodes:
-                orders.append([])
-                sorted_probs.append([])
-                continue
-            pending = self._pending.get(request_id)
-            if draft.is_candidate is not None or draft.confidence is None or pending is None \
-                    or pending[0] is not draft:
-                return drafts
-            confidence = draft.confidence.tolist()
-            order = sorted(range(draft.num_nodes), key=lambda i: (-confidence[i], i))
-            orders.append(order)
-            sorted_probs.append([confidence[i] for i in order])
+        sorted_rows = self._sorted_rows(request_ids, drafts)
+        if sorted_rows is None:
+            return drafts
+        orders, sorted_probs = sorted_rows
+        if packed:
+            return self._fit_packed(request_ids, drafts, orders, sorted_probs)
         widest = max(widths)
         forward = self.cost_model.cost_list(widest + 1, batch_size)  # [w - 1]: c_B(w)
         host = self.host_models.get(self.cost_model.bucket(batch_size))
@@ -1035,15 +1028,78 @@ class DraftSizer:
                 best_rate, best_cap = rate, cap
         if best_cap == widest:
             return drafts
+        return self._cut_rows(request_ids, drafts, orders, [best_cap] * len(drafts))
+
+    def _sorted_rows(self, request_ids: list, drafts: list[Draft]) -> tuple[list, list] | None:
+        """Per row, its nodes best first (ties: the lower index) and their path probabilities; None where a draft
+        has not-candidate nodes (a lookahead window), no confidence, or was not chosen by ``select`` for its
+        request (the batch is then left as it is)."""
+        orders, sorted_probs = [], []
+        for request_id, draft in zip(request_ids, drafts):
+            if not draft.num_nodes:
+                orders.append([])
+                sorted_probs.append([])
+                continue
+            pending = self._pending.get(request_id)
+            if draft.is_candidate is not None or draft.confidence is None or pending is None \
+                    or pending[0] is not draft:
+                return None
+            confidence = draft.confidence.tolist()
+            order = sorted(range(len(confidence)), key=confidence.__getitem__, reverse=True)  # stable: ties by index
+            orders.append(order)
+            sorted_probs.append([confidence[i] for i in order])
+        return orders, sorted_probs
+
+    def _fit_packed(self, request_ids: list, drafts: list[Draft], orders: list, sorted_probs: list) -> list[Draft]:
+        """The rows of one packed forward (rows end to end, ``B`` of them), cut together: the ``M`` best nodes of
+        all rows for the ``M`` that maximizes ``(B + their probabilities' sum) / (c_1(B + M) + h(M) / t1)``
+        (ties: the smaller ``M``), where ``c_1`` is the cost of a step by its tokens in all (``BatchCostModel``:
+        a packing host reports every forward so) and ``h`` the step's time outside its forward at ``B`` rows.
+
+        Each row was sized alone (``Budget.packed``), against ``c_1(1 + k)``. Sized as if every row fed as many
+        tokens as itself (``c_B``, a padded batch's price), a row with a good draft beside rows with none was
+        priced for tokens they did not feed; alone, it is priced as if no other row shared the step. Together,
+        a node pays where its probability beats what the step's other tokens earn per token, whatever row it
+        is in. A step's value and cost depend on ``M`` alone, so the best ``M`` nodes are the best of every
+        choice of rows' prefixes (``tests/test_mixture.py`` searches them all).
+        Worked example: ``c_1(n) = 1 + 0.1 (n - 1)``, two rows, one drafting ``[0.9, 0.5]``, one ``[0.3]``:
+        ``M = 0`` gives 2 / 1.1 = 1.82, ``M = 1`` 2.9 / 1.2 = 2.42, ``M = 2`` 3.4 / 1.3 = 2.62, ``M = 3``
+        3.7 / 1.4 = 2.64: every node is kept; at ``c_1(n) = 1 + 0.5 (n - 1)`` ``M = 1`` (2.9 / 2 = 1.45
+        against 2 / 1.5 = 1.33 and 3.4 / 2.5 = 1.36) keeps the first row's best node alone.
+        """
+        batch_size = len(drafts)
+        merged = sorted((-probability, row, rank) for row, probs in enumerate(sorted_probs)
+                        for rank, probability in enumerate(probs))
+        forward = self.cost_model.cost_list(batch_size + len(merged), 1)  # [n - 1]: c_1(n), n tokens in all
+        host = self.host_models.get(self.cost_model.bucket(batch_size))
+        one_token_s = self.cost_model.one_token_s(1) if host is not None else None
+        a, b = host.fit() if one_token_s else (0.0, 0.0)
+        a, b = (a / one_token_s, b / one_token_s) if one_token_s else (0.0, 0.0)
+        best_rate, best_m, expected = batch_size / (forward[batch_size - 1] + a), 0, 0.0
+        for m, (negative, _, _) in enumerate(merged, 1):
+            expected -= negative
+            rate = (batch_size + expected) / (forward[batch_size + m - 1] + a + b * m)
+            if rate > best_rate:
+                best_rate, best_m = rate, m
+        if best_m == len(merged):
+            return drafts
+        caps = [0] * batch_size
+        for _, row, _ in merged[:best_m]:
+            caps[row] += 1
+        return self._cut_rows(request_ids, drafts, orders, caps)
+
+    def _cut_rows(self, request_ids: list, drafts: list[Draft], orders: list, caps: list[int]) -> list[Draft]:
+        """Each row cut to its ``caps[i]`` best nodes (in ``orders[i]``), each with its parent; a row's remembered
+        nodes (for ``judge``) are cut with it."""
         fitted = []
-        for request_id, draft, order in zip(request_ids, drafts, orders):
-            if draft.num_nodes <= best_cap:
+        for request_id, draft, order, cap in zip(request_ids, drafts, orders, caps):
+            if draft.num_nodes <= cap:
                 fitted.append(draft)
                 continue
             parents = draft.parents.tolist()
             chosen: set[int] = set()  # the best nodes, each with its parent (path probabilities: the best anyway)
             for i in order:
-                if len(chosen) == best_cap:
+                if len(chosen) == cap:
                     break
                 if parents[i] < 0 or parents[i] in chosen:
                     chosen.add(i)

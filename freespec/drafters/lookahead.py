@@ -405,6 +405,18 @@ class LookaheadDrafter(Drafter):
         self._proposed[request_id] = chosen
         return self.lookahead.hang_window(request_id, chosen, options[option][0])
 
+    def fit_batch(self, request_ids: list, drafts: list[Draft], batch_size: int,
+                  packed: bool = False) -> list[Draft]:
+        """The sizer's joint cut (``DraftSizer.fit_batch``; a draft with a window is left as it is); a row cut
+        is credited for the nodes it keeps."""
+        fitted = self.sizer.fit_batch(request_ids, drafts, batch_size,
+                                      None if packed else [self.num_generated(request_id) for request_id in request_ids],
+                                      packed)
+        for request_id, proposed, kept in zip(request_ids, drafts, fitted):
+            if kept is not proposed:
+                self._proposed[request_id] = kept
+        return fitted
+
     def warmup(self) -> None:
         """Compile the pool kernel on a tiny request."""
         exercise(LookaheadDrafter(window=2, ngram=2))

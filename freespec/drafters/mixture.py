@@ -331,10 +331,13 @@ class MixtureDrafter(Drafter):
         self._remember_pool_only(request_id, scored, node_maps, merged.num_nodes, chosen, kept)
         return self.lookahead.hang_window(request_id, chosen, options[option][0])
 
-    def fit_batch(self, request_ids: list, drafts: list[Draft], batch_size: int) -> list[Draft]:
-        """The sizer's joint cut (``DraftSizer.fit_batch``): every row of a padded forward pays its widest."""
+    def fit_batch(self, request_ids: list, drafts: list[Draft], batch_size: int,
+                  packed: bool = False) -> list[Draft]:
+        """The sizer's joint cut (``DraftSizer.fit_batch``): every row of a padded forward pays its widest, a packed
+        one pays its tokens in all."""
         return self.sizer.fit_batch(request_ids, drafts, batch_size,
-                                    [self.num_generated(request_id) for request_id in request_ids])
+                                    None if packed else [self.num_generated(request_id) for request_id in request_ids],
+                                    packed)
 
     def _self_draft(self, request_id, budget: Budget) -> Draft:
         """The early-exit draft, in a batch of one, when its gate predicts a gain; else none."""

@@ -395,9 +395,11 @@ class RecycleDrafter(Drafter):
     def on_forward(self, report: ForwardReport) -> None:
         self.sizer.on_forward(report)
 
-    def fit_batch(self, request_ids: list, drafts: list[Draft], batch_size: int) -> list[Draft]:
+    def fit_batch(self, request_ids: list, drafts: list[Draft], batch_size: int,
+                  packed: bool = False) -> list[Draft]:
         return self.sizer.fit_batch(request_ids, drafts, batch_size,
-                                    [self.num_generated(request_id) for request_id in request_ids])
+                                    None if packed else [self.num_generated(request_id) for request_id in request_ids],
+                                    packed)
 
     def _propose(self, request_id, budget: Budget) -> Draft:
         draft, kinds = self.recycle.draft(request_id, self.context(request_id), budget, self.sizer.calibrator)

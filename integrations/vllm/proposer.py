@@ -29,7 +29,9 @@ What vLLM does not hand a ``custom_class`` proposer, and how it is found:
   the next is the engine's step (forward, sampling, bookkeeping); it goes to the
   drafter's ``on_forward`` with each row's tokens fed (1 + its draft), as a
   packed batch (vLLM lays rows end to end: a step costs what its total tokens
-  cost), so the mixture sizes drafts from the engine's measured cost.
+  cost), so the mixture sizes drafts from the engine's measured cost. Each row
+  drafts under ``Budget.packed`` (sized as if alone), then the drafter cuts the
+  step's rows together (``fit_batch(..., packed=True)``).
 
 Per-request state follows vLLM's requests through ``HostRequests`` (the
 lifecycle shared with the SGLang plugin): started from the row's whole sequence
@@ -40,7 +42,7 @@ date before it drafts for any (as ``generate()`` does), so each draft reads ever
 
 Nothing here may take the engine down: an exception while drafting for one
 request costs that request this step's draft and its state (it restarts next
-step); an exception outside the per-request loop costs the step's drafts. Each
+step); an exception outside the per-request loop (the joint cut included) costs the step's drafts. Each
 kind is logged once with its traceback and counted (``num_errors``).
 
 vLLM verifies chains only for these methods: the drafter's tree is cut to its
@@ -61,7 +63,7 @@ from typing import Hashable
 
 import numpy as np
 
-from freespec.draft import Budget
+from freespec.draft import Budget, Draft
 from freespec.drafters.base import ForwardReport, encode_text
 
 from ..host_requests import HostRequests
@@ -71,6 +73,7 @@ from .version import check_vllm_version
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger, so its handlers print these lines
 TAIL_OVERLAP = 4  # tokens before the newly committed ones that must line up with what the drafter holds
 LOG_EVERY = 2000  # steps between two "served" log lines
+_EMPTY = Draft.empty()
 
 
 class Proposer:
@@ -183,13 +186,24 @@ class Proposer:
             except Exception as exc:  # this request drafts nothing this step, and restarts at the next
                 self._error(f"request:{type(exc).__name__}", exc, req_id)
                 self.requests.discard(req_id)
+        proposed = {}  # row -> its draft (a tree the sizer chose), before the step's joint cut
         for i in synced:
             req_id = req_ids[i]
             try:
-                drafts[i] = self._draft_row(req_id, num_tokens_of[i], budget_rows)
+                draft = self._draft_row(req_id, num_tokens_of[i], budget_rows)
+                if draft.num_nodes:
+                    proposed[i] = draft
             except Exception as exc:  # as above
                 self._error(f"request:{type(exc).__name__}", exc, req_id)
                 self.requests.discard(req_id)
+        if len(rows) > 1 and proposed:
+            proposed = self._fit(req_ids, rows, proposed)
+        for i, draft in proposed.items():
+            try:
+                drafts[i] = self._chain(draft, num_tokens_of[i])
+            except Exception as exc:  # as above
+                self._error(f"request:{type(exc).__name__}", exc, req_ids[i])
+                self.requests.discard(req_ids[i])
         for i in rows:
             fed_ids.append(req_ids[i])
             fed_tokens.append(1 + len(drafts[i]))
@@ -197,19 +211,28 @@ class Proposer:
         self._count(sum(len(d) for d in drafts), len(rows))
         return drafts
 
+    def _fit(self, req_ids, rows: list[int], proposed: dict) -> dict:
+        """The step's drafts (row -> draft) as the drafter cuts them together for one packed forward
+        (``Drafter.fit_batch(..., packed=True)``: the rows were proposed under ``Budget.packed``)."""
+        fitted = self.drafter.fit_batch([req_ids[i] for i in rows], [proposed.get(i) or _EMPTY for i in rows],
+                                        len(rows), packed=True)
+        return {i: draft for i, draft in zip(rows, fitted) if draft.num_nodes}
+
     def _sync_row(self, req_id: Hashable, row: int, num_sampled: int, num_tokens: int, token_ids_cpu) -> None:
         """The request's drafter state brought to the row's ``num_tokens`` committed tokens."""
         tail = token_ids_cpu[row, max(0, num_tokens - num_sampled - TAIL_OVERLAP):num_tokens].tolist()
         self.requests.sync(req_id, tail, num_tokens, lambda: token_ids_cpu[row, :num_tokens].copy())
 
-    def _draft_row(self, req_id: Hashable, num_tokens: int, batch_size: int) -> list[int]:
-        """A synced request's chain of draft ids."""
+    def _draft_row(self, req_id: Hashable, num_tokens: int, batch_size: int) -> Draft:
+        """A synced request's draft."""
         max_depth = min(self.num_speculative_tokens, self.max_model_len - num_tokens - 1)
         if max_depth <= 0:
-            return []
-        draft = self.drafter.propose(req_id, self._budget(max_depth, batch_size))
-        if draft.num_nodes == 0:
-            return []
+            return _EMPTY
+        return self.drafter.propose(req_id, self._budget(max_depth, batch_size))
+
+    def _chain(self, draft: Draft, num_tokens: int) -> list[int]:
+        """A draft's ids as the chain vLLM verifies."""
+        max_depth = min(self.num_speculative_tokens, self.max_model_len - num_tokens - 1)
         ids = draft.token_ids.tolist()  # a chain already, mostly (the sizer's, under Budget.chain): its own path
         chain = [ids[node] for node in draft.best_path()[:max_depth]]
         if max(chain) >= self.vocab_size:  # never an id outside the vocabulary: stop before the first
@@ -220,7 +243,8 @@ class Proposer:
         key = (max_depth, batch_size)
         budget = self._budgets.get(key)
         if budget is None:
-            budget = self._budgets[key] = Budget(self.num_speculative_tokens, max_depth, batch_size, chain=True)
+            budget = self._budgets[key] = Budget(self.num_speculative_tokens, max_depth, batch_size, chain=True,
+                                                 packed=True)
         return budget
 
     def _input_batch(self, token_ids_cpu):
