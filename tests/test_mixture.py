@@ -557,7 +557,12 @@ def _reference_curve(model: CostModel) -> list[float]:
             prior = 1.0 + (prior - 1.0) * np.median(ratios)
     curve = np.interp(np.arange(model.MAX_WIDTH, dtype=np.float64), np.asarray(known_at, np.float64), known)
     last, highest = known_at[-1], float(known.max())
-    if last > 0:
+    wide = _reference_wide_knots(model, base_s)
+    if wide:  # past the last pinned width, the line towards the first pinned bin past MAX_WIDTH
+        toward_at, toward = wide[0][0] - 1.0, max(highest, wide[0][1])
+        curve[last + 1:] = np.interp(np.arange(last + 1, model.MAX_WIDTH, dtype=np.float64), [last, toward_at],
+                                     [highest, toward])
+    elif last > 0:
         slope = (highest - 1.0) / last
         curve[last + 1:] = highest + slope * (np.arange(last + 1, model.MAX_WIDTH) - last).astype(np.float64)
         if model._prior_of is not None:
@@ -572,6 +577,33 @@ def _reference_curve(model: CostModel) -> list[float]:
     return curve.tolist()
 
 
+def _reference_wide_knots(model: CostModel, base_s: float) -> list[tuple[float, float]]:
+    """(median width, c) of every bin of ``WIDE_BINS`` with ``min_samples`` forwards, from the forwards held."""
+    knots = []
+    for lo, hi in zip(model.WIDE_BINS, model.WIDE_BINS[1:]):
+        held = [(width, seconds) for samples in model._wide for width, seconds in samples if lo < width <= hi]
+        if len(held) >= model.min_samples:
+            widths, seconds = np.array(held, np.float64).T
+            knots.append((float(np.median(widths)), max(1.0, float(np.median(seconds)) / base_s)))
+    return knots
+
+
+def _reference_past(model: CostModel, widths: np.ndarray) -> np.ndarray:
+    """The twin of the curve past ``MAX_WIDTH`` (``CostModel._extend``): np.interp through ``(MAX_WIDTH, c)`` and
+    the pinned bins, past the last the mean slope from width 1 and the highest value; without a pinned bin, the
+    slope of the last 16 widths."""
+    curve = np.asarray(_reference_curve(model))
+    base_s = model._one_token_s()
+    wide = _reference_wide_knots(model, base_s) if base_s is not None else []
+    if not wide:
+        return curve[-1] + (curve[-1] - curve[-17]) / 16.0 * (widths - model.MAX_WIDTH)
+    at = np.array([model.MAX_WIDTH] + [width for width, _ in wide], np.float64)
+    values = np.array([curve[-1]] + [value for _, value in wide])
+    top = max(values.max(), curve.max())
+    slope = (top - 1.0) / (at[-1] - 1.0)
+    return np.where(widths <= at[-1], np.interp(widths, at, values), top + slope * (widths - at[-1]))
+
+
 def test_cost_model_curve_is_numpys_bit_for_bit():
     rng = np.random.default_rng(11)
     for case in range(300):
@@ -579,11 +611,18 @@ def test_cost_model_curve_is_numpys_bit_for_bit():
         given = [1.0] + (1.0 + np.cumsum(steps)).tolist()  # a borrowed prior (BatchCostModel's), every 4th case
         model = CostModel(prior_slope=float(rng.choice([0.0, 0.03, 0.2])), window=8,
                           min_samples=int(rng.integers(1, 4)), prior=None if case % 4 else lambda: given)
-        widths = rng.choice(np.arange(1 + (case % 3 == 0), 130), size=int(rng.integers(1, 12)))
+        # every 5th case a packing host's steps past MAX_WIDTH too (WIDE_BINS), every 10th only those
+        highest = 130 if case % 5 else 700
+        widths = rng.choice(np.arange(1 + (case % 3 == 0) if case % 10 else 130, highest),
+                            size=int(rng.integers(1, 12)))
         for _ in range(int(rng.integers(0, 60))):
             width = int(rng.choice(widths))
             model.add(width, 0.01 * (1 + width * float(rng.random())) * float(rng.normal(1.0, 0.05)))
         assert model.curve_list() == _reference_curve(model)
+        past = np.arange(model.MAX_WIDTH + 1, 900)
+        np.testing.assert_allclose(model.cost_list(899)[model.MAX_WIDTH:], _reference_past(model, past),
+                                   rtol=1e-12, err_msg=f"case {case}")
+        assert model.cost_list(899)[model.MAX_WIDTH:] == model.costs(past).tolist()  # the same floats either way
 
 
 def test_cost_model_prior_until_measured_and_keeps_what_it_measured():
@@ -1130,3 +1169,54 @@ def test_a_packed_batch_is_priced_by_its_tokens_in_all():
         else:  # filed by the widest row, the mixed steps make eight drafting rows look cheap
             assert sizer.cost_model.cost(9, 8) < 0.7 * truth
     assert ForwardReport(("a", "b"), (9, 1), 0.1, packed=True).num_tokens == 10
+
+
+def test_a_packed_step_wider_than_max_width_teaches_the_curve():
+    """From 15 requests on at K 8, a vLLM step feeds more than ``CostModel.MAX_WIDTH`` tokens. Such steps pool in
+    ``WIDE_BINS``: the one-token time and the curve past the widest width fed below ``MAX_WIDTH`` follow them,
+    where the sizer read the prior line (no step of 32 rows counted) or the slope of narrower steps."""
+    rng = np.random.default_rng(1)
+
+    def cpu(n):  # a CPU: every token fed costs
+        return 0.110 + 0.006 * n
+
+    def gpu(n):  # a GPU: flat to 256 tokens, then compute-bound
+        return 0.010 * max(1.0, n / 256)
+
+    for step_s in (cpu, gpu):
+        for low in (33, 130):  # 32 requests feed 33 tokens and more; 130: none under MAX_WIDTH
+            sizer = DraftSizer()
+            for _ in range(200):  # 32 rows: one row's draft holds every draft token of the step (its cost alike)
+                for fed in (32 + int(rng.integers(1, 30)) * int(rng.integers(1, 16)), low + int(rng.integers(160))):
+                    sizer.on_forward(ForwardReport(tuple(range(32)), (1,) * 31 + (fed - 31,), step_s(fed),
+                                                   packed=True))
+            costs = sizer.cost_model.cost_list(600, 1)
+            # within 1%, but where the one-token time comes from a line through the bins across the GPU's rise
+            # (8% low: every cost that much high), and between two bins' medians around that rise (the line
+            # between them: 1.13 at 250 tokens, where the GPU pays 1.0)
+            rel = 0.01 if step_s is cpu or low < 130 else 0.1
+            for n in (40, 100, 160, 300, 400):
+                if n >= low:
+                    assert costs[n - 1] == pytest.approx(step_s(n) / step_s(1), rel=rel), (step_s.__name__, low, n)
+            assert costs[249] == pytest.approx(step_s(250) / step_s(1), rel=0.01 if step_s is cpu else 0.15)
+            assert sizer.cost_model.one_token_s(1) == pytest.approx(step_s(1), rel=rel)
+    model = CostModel()
+    assert not model.add(CostModel.WIDE_BINS[-1] + 1, 0.5) and not model.has_forward(CostModel.WIDE_BINS[-1] + 1)
+
+
+def test_a_pinned_wide_bin_redraws_the_curve_as_a_pinned_width_does():
+    """A bin past MAX_WIDTH holds the drawn curve while its median stays within REDRAW (and the one-token time
+    holds); it redraws the curve once pinned, and once its median moves further."""
+    model = CostModel(window=8)
+    for _ in range(3):
+        model.add(1, 0.100)
+    drawn = model.curve_list()
+    for width, seconds, redrawn in ((200, 0.5, False), (210, 0.5, False), (220, 0.5, True),  # pinned at 3
+                                    (200, 0.504, False), (200, 0.6, False), (200, 0.6, False),  # 0.502, 0.5
+                                    (200, 0.6, False), (200, 0.6, True),  # median 0.504 (0.8%), then 0.552
+                                    (300, 0.7, False)):  # another bin, short of min_samples
+        model.add(width, seconds)
+        assert (model.curve_list() is not drawn) == redrawn, (width, seconds)
+        drawn = model.curve_list()
+    assert model.cost_list(200)[199] == pytest.approx(0.552 / 0.100)
+    assert model.measured(200) and not model.measured(300) and model.has_forward(300)

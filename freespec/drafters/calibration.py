@@ -61,8 +61,17 @@ class CostModel:
     non-decreasing, that curve priced 4 to 8 tokens at 1.97, and the sizer fed 15 nodes
     (c(16) = 2.2) where it would have priced 3 nodes at 1.48 (tokens/s measured the same either
     way there: docs/experiments.md). An unpinned width is never read below
-    its lower neighbour, and the curve is extrapolated past ``MAX_WIDTH``; forwards of
-    more than ``MAX_WIDTH`` tokens (prefills) are ignored.
+    its lower neighbour, and the curve is extrapolated past ``MAX_WIDTH``.
+
+    A host that packs rows end to end (vLLM) feeds a step's tokens in all, and from 15 requests on at
+    ``num_speculative_tokens`` 8 a step feeds more than ``MAX_WIDTH``. Such forwards pool in coarse bins
+    (``WIDE_BINS``: 130-192, 193-256, 257-384, ...), each pinned, once it holds ``min_samples`` forwards, at
+    its forwards' median width and median time; where neither width 1 nor two widths under ``MAX_WIDTH``
+    have a forward, each bin with one is a point of the line that reads the one-token time. The curve runs
+    from the last pinned width up to ``MAX_WIDTH`` towards the first pinned bin, and on (``cost_list``,
+    ``costs``) through the pinned bins; past the last, the measured curve's mean slope. Without the bins a
+    step of 32 requests was never counted: the sizer priced it by the prior line, or by the slope of widths
+    it never fed. Forwards wider than the last bin are not counted.
     The curve is drawn when asked for after a change that matters: a width pinned (or
     added to a pool), or a pinned width's median, or the one-token time, moved by more than
     ``REDRAW`` (1%) from the one the curve was drawn from; each forward moves some median a
@@ -78,6 +87,8 @@ class CostModel:
     REDRAW = 0.01  # the curve is drawn again once a pinned width's median moves by more than this fraction
     # widths GROUPS[g] + 1 .. GROUPS[g + 1] pool (see _known_points); 65, the default budget's widest, alone
     GROUPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 65, 96, 128, 129)
+    # a packed step's widths past MAX_WIDTH pool in bins WIDE_BINS[b] + 1 .. WIDE_BINS[b + 1]; wider: not counted
+    WIDE_BINS = (129, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 
     def __init__(self, prior_slope: float = 0.03, window: int = 32, min_samples: int = 3,
                  prior: Callable[[], list[float]] | None = None):
@@ -99,16 +110,23 @@ class CostModel:
         self._base_s: float | None = None  # the 1-token time the cached curve divides by
         self._known_at: list[int] = []  # indices of the widths the cached curve is pinned at
         self._drawn_medians: list[float] = []  # [width - 1]: the medians the cached curve was drawn from
+        self._wide = [deque(maxlen=window) for _ in self.WIDE_BINS[1:]]  # [bin]: (width, seconds) of its forwards
+        self._wide_points: list[tuple[float, float] | None] = [None] * len(self._wide)  # [bin]: median (width, s)
+        self._drawn_wide: list[float | None] = []  # [bin]: the median seconds the cached curve was drawn from
+        self._wide_knots: list[tuple[float, float]] = []  # (width, c) of the pinned bins, as the curve was drawn
+        self._extension: tuple = ([], [], 0.0, 0.0)  # the curve past MAX_WIDTH, drawn with it (_extend)
 
     @classmethod
     def counts(cls, num_tokens_fed: int, forward_s: float) -> bool:
-        """Whether ``add`` counts a forward: 1..MAX_WIDTH tokens fed, a finite positive time."""
-        return 1 <= num_tokens_fed <= cls.MAX_WIDTH and forward_s > 0 and not math.isinf(forward_s)
+        """Whether ``add`` counts a forward: 1..``WIDE_BINS[-1]`` tokens fed, a finite positive time."""
+        return 1 <= num_tokens_fed <= cls.WIDE_BINS[-1] and forward_s > 0 and not math.isinf(forward_s)
 
     def add(self, num_tokens_fed: int, forward_s: float) -> bool:
         """Count one decode forward; True if the curve will be drawn again (it may have moved)."""
         if not self.counts(num_tokens_fed, forward_s):
             return False
+        if num_tokens_fed > self.MAX_WIDTH:
+            return self._add_wide(num_tokens_fed, float(forward_s))
         index = num_tokens_fed - 1
         times = self._times[index]
         was_pinned = len(times) >= self.min_samples
@@ -116,17 +134,36 @@ class CostModel:
         median = self._medians[index] = statistics.median(times)  # 50x faster than np.median on 32
         if self._curve_list is None:
             return True
-        if was_pinned:
-            # a width pinned when the curve was drawn (it has been since: pinning one redraws the curve) whose
-            # median stays within REDRAW of the median the curve used leaves the curve as it is, while the
-            # one-token time does too (``_base_holds``)
-            drawn = self._drawn_medians[index]
-            keep = abs(median - drawn) <= self.REDRAW * drawn and self._base_holds()
-        else:
-            keep = not self._moves_unpinned(index)
+        # a width pinned when the curve was drawn (it has been since: pinning one redraws the curve) whose median
+        # stays within REDRAW of the median the curve used leaves the curve as it is, while the one-token time
+        # does too (``_base_holds``)
+        return self._redraw_unless(self._holds(median, self._drawn_medians[index]) if was_pinned
+                                   else not self._moves_unpinned(index))
+
+    def _holds(self, median_s: float, drawn_s: float) -> bool:
+        """Whether a pinned median ``median_s`` leaves the curve drawn from ``drawn_s`` as it is."""
+        return abs(median_s - drawn_s) <= self.REDRAW * drawn_s and self._base_holds()
+
+    def _redraw_unless(self, keep: bool) -> bool:
+        """Drop the cached curve unless ``keep``; True when it will be drawn again."""
         if not keep:
             self._curve_list = self._curve = None
         return not keep
+
+    def _add_wide(self, width: int, forward_s: float) -> bool:
+        """``add`` past ``MAX_WIDTH``: the forward joins its bin, which is kept as drawn (as a pinned width is) while
+        its median time stays within ``REDRAW`` and the one-token time holds, or while it is short of
+        ``min_samples`` and the one-token time holds."""
+        index = bisect.bisect_left(self.WIDE_BINS, width) - 1
+        samples = self._wide[index]
+        was_pinned = len(samples) >= self.min_samples
+        samples.append((width, forward_s))
+        median_s = statistics.median(seconds for _, seconds in samples)
+        self._wide_points[index] = (float(statistics.median(w for w, _ in samples)), median_s)
+        if self._curve_list is None:
+            return True
+        return self._redraw_unless(self._holds(median_s, self._drawn_wide[index]) if was_pinned
+                                   else len(samples) < self.min_samples and self._base_holds())
 
     def _moves_unpinned(self, index: int) -> bool:
         """Whether a forward just counted at width ``index + 1``, not pinned before it, changes what the curve is
@@ -167,8 +204,15 @@ class CostModel:
         self._curve_list = self._curve = None
 
     def measured(self, num_tokens: int) -> bool:
-        """Whether forwards of ``num_tokens`` (1..MAX_WIDTH) tokens are measured."""
-        return len(self._times[num_tokens - 1]) >= self.min_samples
+        """Whether forwards of ``num_tokens`` (1..MAX_WIDTH; past it, its bin's) tokens are measured."""
+        return len(self._samples_of(num_tokens)) >= self.min_samples
+
+    def _samples_of(self, num_tokens: int):
+        """The forwards held for width ``num_tokens`` (past MAX_WIDTH its bin's; none past the last bin)."""
+        if num_tokens <= self.MAX_WIDTH:
+            return self._times[num_tokens - 1]
+        return self._wide[bisect.bisect_left(self.WIDE_BINS, num_tokens) - 1] if num_tokens <= self.WIDE_BINS[-1] \
+            else ()
 
     def curve(self) -> np.ndarray:
         """c(1..MAX_WIDTH), ``[MAX_WIDTH]`` float64."""
@@ -185,15 +229,22 @@ class CostModel:
         return self._curve_list
 
     def _compute_curve(self) -> list[float]:
+        curve = self._draw()
+        self._extension = self._extend(curve)
+        return curve
+
+    def _draw(self) -> list[float]:
         self._drawn_medians = self._medians.tolist()
+        self._drawn_wide = [None if point is None else point[1] for point in self._wide_points]
         prior = self.prior_list()
         base_s = self._base_s = self._one_token_s()
-        self._known_at = []
+        self._known_at, self._wide_knots = [], []
         if base_s is None:
             return _running_max(prior)
         known_at, known_s = self._known_points()
         known = [max(1.0, seconds / base_s) for seconds in known_s]
         known[0] = 1.0
+        wide = self._wide_knots = [(width, max(1.0, seconds / base_s)) for width, seconds in self._wide_pinned()]
         if self._prior_of is not None:
             prior = _rescaled(prior, known_at, known)
         knots = known  # as measured: a wider forward may cost less (see the class)
@@ -208,7 +259,11 @@ class CostModel:
         # steep curve (c(2) = 3) a wide forward is not read as nearly free of the tokens it adds
         highest = max(known)
         curve.append(knots[-1])
-        if last > 0:
+        if wide:  # a packed step's pinned bin past MAX_WIDTH: the line towards the first (never below the highest)
+            toward_at, toward = wide[0][0] - 1.0, max(highest, wide[0][1])
+            slope = (toward - highest) / (toward_at - float(last))
+            curve += [highest + slope * float(step) for step in range(1, self.MAX_WIDTH - last)]
+        elif last > 0:
             slope = (highest - 1.0) / float(last)
             curve += [highest + slope * float(step) for step in range(1, self.MAX_WIDTH - last)]
             if self._prior_of is not None:  # a given prior is a floor there: no wider forward on the line's faith
@@ -223,6 +278,33 @@ class CostModel:
                 curve[index] = max(min(curve[index], prior[index]), curve[index - 1])
         self._known_at = known_at
         return curve
+
+    def _wide_pinned(self) -> list[tuple[float, float]]:
+        """(median width, median seconds) of each bin of ``WIDE_BINS`` with ``min_samples`` forwards, widths rising."""
+        return [point for point, samples in zip(self._wide_points, self._wide) if len(samples) >= self.min_samples]
+
+    def _extend(self, curve: list[float]) -> tuple[list[float], list[float], float, float]:
+        """The curve past ``MAX_WIDTH``: ``(widths, values, top, slope)``, the line through ``(MAX_WIDTH, c)`` and the
+        pinned wide bins, past the last ``top + slope (n - its width)``: the measured curve's mean slope from
+        width 1, from its highest value. Without a pinned bin, the slope of the curve's last 16 widths."""
+        if not self._wide_knots:
+            return [float(self.MAX_WIDTH)], [curve[-1]], curve[-1], (curve[-1] - curve[-17]) / 16.0
+        widths = [float(self.MAX_WIDTH)] + [width for width, _ in self._wide_knots]
+        values = [curve[-1]] + [value for _, value in self._wide_knots]
+        top = max(max(values), max(curve))
+        return widths, values, top, (top - 1.0) / (widths[-1] - 1.0)
+
+    def _past(self, widths) -> list[float]:
+        """``cost`` of each width of ``widths`` (all past ``MAX_WIDTH``), as ``_extend`` draws it."""
+        at, values, top, slope = self._extension
+        last, past = at[-1], []
+        for width in widths:
+            if width >= last:  # at the last pinned bin its value, past it the line
+                past.append(values[-1] if width == last else top + slope * (float(width) - last))
+                continue
+            j = bisect.bisect_right(at, width) - 1  # np.interp's arithmetic, operation for operation
+            past.append((values[j + 1] - values[j]) / (at[j + 1] - at[j]) * (float(width) - at[j]) + values[j])
+        return past
 
     def _known_points(self) -> tuple[list[int], list[float]]:
         """(indices ``width - 1``, median seconds) of the widths the curve is pinned at, width 1 first.
@@ -280,9 +362,14 @@ class CostModel:
             return float(self._medians[0])
         medians = self._medians.tolist()
         present = [i for i, times in enumerate(self._times) if times]
-        if len(present) < 2:
-            return None
         sizes, times = [i + 1.0 for i in present], [medians[i] for i in present]
+        if len(sizes) < 2:  # a packed step's bins past MAX_WIDTH, where fewer than two widths under it have forwards:
+            for point in self._wide_points:  # a line across a GPU's flat region and the rise after it (256 tokens
+                if point is not None:  # and more) reads the one-token time too low, and every cost too high
+                    sizes.append(point[0])
+                    times.append(point[1])
+        if len(sizes) < 2:
+            return None
         # the least-squares line through (width, median seconds), in closed form (np.polyfit's line, 50x faster)
         mean_size, mean_s = sum(sizes) / len(sizes), sum(times) / len(times)
         slope = (sum((x - mean_size) * (y - mean_s) for x, y in zip(sizes, times))
@@ -291,12 +378,12 @@ class CostModel:
         return min(min(times), line_s) if line_s > 0 else min(times)
 
     def has_forward(self, num_tokens: int) -> bool:
-        """Whether width ``num_tokens`` (1..MAX_WIDTH) has a forward."""
-        return bool(self._times[num_tokens - 1])
+        """Whether width ``num_tokens`` (1..MAX_WIDTH; past it, its bin) has a forward."""
+        return bool(self._samples_of(num_tokens))
 
     def measured_widths(self) -> int:
-        """How many widths have at least one forward."""
-        return int(np.count_nonzero(~np.isnan(self._medians)))
+        """How many widths (and bins past MAX_WIDTH) have at least one forward."""
+        return int(np.count_nonzero(~np.isnan(self._medians))) + sum(1 for samples in self._wide if samples)
 
     def cost(self, num_tokens: int) -> float:
         if isinstance(num_tokens, int) and 1 <= num_tokens <= self.MAX_WIDTH:  # np.interp at a knot: the knot
@@ -308,19 +395,17 @@ class CostModel:
         curve = self.curve_list()
         if num_tokens <= self.MAX_WIDTH:
             return curve
-        slope = (curve[-1] - curve[-17]) / 16.0
-        return curve + [curve[-1] + slope * float(width - self.MAX_WIDTH)
-                        for width in range(self.MAX_WIDTH + 1, num_tokens + 1)]
+        return curve + self._past(range(self.MAX_WIDTH + 1, num_tokens + 1))
 
     def costs(self, num_tokens: np.ndarray) -> np.ndarray:
-        """``cost`` of each entry of ``num_tokens`` ([m] int >= 1), as [m] float64; past ``MAX_WIDTH``, the
-        slope of the curve's last 16 widths."""
+        """``cost`` of each entry of ``num_tokens`` ([m] int >= 1), as [m] float64; past ``MAX_WIDTH``, as
+        ``_extend`` draws it (the same values as ``cost_list``)."""
         num_tokens = np.asarray(num_tokens, np.float64)
         curve = self.curve()
-        last = self.MAX_WIDTH
-        slope = (curve[-1] - curve[-17]) / 16.0
+        at, values, top, slope = self._extension
         inside = np.interp(num_tokens, self._widths, curve)
-        return np.where(num_tokens <= last, inside, curve[-1] + slope * (num_tokens - last))
+        past = np.where(num_tokens <= at[-1], np.interp(num_tokens, at, values), top + slope * (num_tokens - at[-1]))
+        return np.where(num_tokens <= self.MAX_WIDTH, inside, past)
 
 
 def _rescaled(prior: list[float], known_at: list[int], known: list[float]) -> list[float]:
