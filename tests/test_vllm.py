@@ -195,6 +195,8 @@ def test_greedy_output_is_plain_vllms(spec_llm, plain, tokenizer, case):
         assert after["starts"] - before["starts"] > len(prompts)
     if case in ("one", "four", "sixteen"):
         assert after["drafted_tokens"] > before["drafted_tokens"]  # freespec drafted (the copy prompts)
+    if case == "one":  # one request: every step vLLM ran is the tokens the proposer fed (1 + its draft), reported
+        assert after["mixed_steps"] == before["mixed_steps"]
 
 
 def test_hints_through_sampling_params(spec_llm, plain, tokenizer):

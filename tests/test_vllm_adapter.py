@@ -181,12 +181,16 @@ class FakeRunner:
     def load_model(self):
         self.drafter.load_model(None)
 
-    def step(self, sequences: dict, sampled: dict, finished=()):
-        """One engine step: apply exits, lay out rows, then propose for rows with sampled tokens."""
+    def step(self, sequences: dict, sampled: dict, finished=(), scheduled=None):
+        """One engine step: apply exits, lay out rows, then propose for rows with sampled tokens (``scheduled``:
+        the step's ``total_num_scheduled_tokens``, left out where None)."""
         for rid in sequences:
             params = SimpleNamespace(extra_args=self.extra_args.get(rid))
             self.requests.setdefault(rid, SimpleNamespace(sampling_params=params))
-        self._update_states(SimpleNamespace(finished_req_ids=set(finished), preempted_req_ids=None))
+        output = SimpleNamespace(finished_req_ids=set(finished), preempted_req_ids=None)
+        if scheduled is not None:
+            output.total_num_scheduled_tokens = scheduled
+        self._update_states(output)
         self.input_batch.set_rows(sequences)
         return self.drafter.propose([sampled.get(rid, []) for rid in sequences],
                                     self.input_batch.num_tokens_no_spec, self.input_batch.token_ids_cpu)
@@ -297,6 +301,14 @@ def test_each_step_is_reported_as_a_packed_batch(monkeypatch):
     (report,) = reports
     assert report.request_ids == ("a", "b") and report.tokens_per_row == (4, 4)
     assert report.packed and report.num_tokens == 8 and report.forward_s > 0
+    # vLLM scheduled the step's 8 tokens: reported; 8 and another request's prefill chunk, or fewer (drafts it
+    # cut): not, as its time is not its rows'
+    for scheduled, reported in ((8, True), (8 + 30, False), (5, False)):
+        reports.clear()
+        runner.step({"a": [1, 2, 3, 4], "b": [10, 11, 12]}, {}, scheduled=scheduled)  # (no row drafts after it)
+        runner.step({"a": [1, 2, 3, 4, 5], "b": [10, 11, 12, 13]}, {"a": [5], "b": [13]}, scheduled=2)
+        assert len(reports) == reported
+    assert prop.stats()["mixed_steps"] == 2
 
 
 def test_a_step_is_cut_together_as_one_packed_forward(monkeypatch, caplog):

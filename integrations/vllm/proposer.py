@@ -29,8 +29,11 @@ What vLLM does not hand a ``custom_class`` proposer, and how it is found:
   the next is the engine's step (forward, sampling, bookkeeping); it goes to the
   drafter's ``on_forward`` with each row's tokens fed (1 + its draft), as a
   packed batch (vLLM lays rows end to end: a step costs what its total tokens
-  cost), so the mixture sizes drafts from the engine's measured cost. Each row
-  drafts under ``Budget.packed`` (sized as if alone), then the drafter cuts the
+  cost), so the mixture sizes drafts from the engine's measured cost. A step that
+  ran other tokens too (another request's prefill chunk, or drafts vLLM did not
+  schedule: its ``total_num_scheduled_tokens``, read in ``_update_states``, is not
+  the rows' tokens) is not reported: its time is not its rows'. Each
+  row drafts under ``Budget.packed`` (sized as if alone), then the drafter cuts the
   step's rows together (``fit_batch(..., packed=True)``).
 
 Per-request state follows vLLM's requests through ``HostRequests`` (the
@@ -101,10 +104,12 @@ class Proposer:
         self._runner = None
         self._last_rows: tuple = ()  # (request ids, tokens fed per row) of the step being run
         self._step_began = None  # when the last propose returned: the engine's step runs from then
+        self._scheduled_tokens = None  # the tokens vLLM scheduled for the step being run (None: not known)
         self.clock = time.perf_counter  # seconds, for the engine's step times (a replay sets a clock of its own)
         self.num_steps = self.num_rows = self.num_drafted = 0
         self.num_errors = 0
         self.num_hint_errors = 0
+        self.num_mixed_steps = 0  # steps not reported to the drafter: other tokens ran in them (_report_forward)
         self._logged: set = set()
         self._budgets: dict = {}  # (max_depth, batch_size) -> Budget
         self._stats_path = os.environ.get(options.ENV_STATS) or None
@@ -142,6 +147,7 @@ class Proposer:
 
         def _update_states(scheduler_output, *args, **kwargs):
             result = update_states(scheduler_output, *args, **kwargs)
+            self._scheduled_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
             self._release_exits(scheduler_output)
             return result
 
@@ -257,9 +263,14 @@ class Proposer:
         return batch
 
     def _report_forward(self, began: float) -> None:
-        """The step since the last ``propose`` returned, with the tokens each row fed, to ``on_forward``."""
+        """The step since the last ``propose`` returned, with the tokens each row fed, to ``on_forward``; not a step
+        that ran other tokens too (vLLM scheduled more or fewer than the rows fed: a prefill chunk, cut drafts)."""
+        scheduled, self._scheduled_tokens = self._scheduled_tokens, None
         if self._step_began is not None and self._last_rows and self._last_rows[0]:
             request_ids, tokens_per_row = self._last_rows
+            if scheduled is not None and scheduled != sum(tokens_per_row):
+                self.num_mixed_steps += 1
+                return
             self.drafter.on_forward(ForwardReport(request_ids, tokens_per_row, began - self._step_began, packed=True))
 
     # ------------------------------------------------------------ requests
@@ -276,12 +287,14 @@ class Proposer:
             self._error("release", exc)
 
     def stats(self) -> dict:
-        """Serving counters: live requests, starts, restarts, steps, drafted tokens, errors; the request
+        """Serving counters: live requests, starts, restarts, steps (``mixed_steps``: those not reported to the
+        drafter's cost model, as other tokens ran in them), drafted tokens, errors; the request
         history's size (tokens and bytes allocated; None without one) and this process's resident MB (None
         where ``/proc`` is not there), so a server's growth can be told apart from the drafter's."""
         history = getattr(self.drafter, "history", None)
         return {"live_requests": len(self.requests), "starts": self.requests.num_starts,
-                "restarts": self.requests.num_restarts, "steps": self.num_steps, "rows": self.num_rows,
+                "restarts": self.requests.num_restarts, "steps": self.num_steps,
+                "mixed_steps": self.num_mixed_steps, "rows": self.num_rows,
                 "drafted_tokens": self.num_drafted, "errors": self.num_errors, "hint_errors": self.num_hint_errors,
                 "history_tokens": None if history is None else history.num_tokens,
                 "history_bytes": None if history is None else history.nbytes,
