@@ -4,6 +4,8 @@
 # order A B C D D C B A, concurrency 1 and 8; prints one table (integrations/vllm/bench.py). About 8 engine
 # starts of a 0.5B model plus the runs: within 10 minutes on one recent GPU.
 #   bash examples/gpu/vllm_compare.sh [extra bench arguments]
+#   bash examples/gpu/vllm_compare.sh --batch 32 --code-edit 1 --spec-bench 1 --out runs/gpu-vllm-32
+#     (32 requests at once: steps of more than the cost curve's 129 tokens, where a GPU's cost bends)
 # Needs the official vLLM build (pip install ".[vllm]" arctic-inference) and a CUDA device.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
