@@ -154,7 +154,7 @@ class CostModel:
         """``add`` past ``MAX_WIDTH``: the forward joins its bin, which is kept as drawn (as a pinned width is) while
         its median time stays within ``REDRAW`` and the one-token time holds, or while it is short of
         ``min_samples`` and the one-token time holds."""
-        index = bisect.bisect_left(self.WIDE_BINS, width) - 1
+        index = self._bin(width)
         samples = self._wide[index]
         was_pinned = len(samples) >= self.min_samples
         samples.append((width, forward_s))
@@ -211,8 +211,11 @@ class CostModel:
         """The forwards held for width ``num_tokens`` (past MAX_WIDTH its bin's; none past the last bin)."""
         if num_tokens <= self.MAX_WIDTH:
             return self._times[num_tokens - 1]
-        return self._wide[bisect.bisect_left(self.WIDE_BINS, num_tokens) - 1] if num_tokens <= self.WIDE_BINS[-1] \
-            else ()
+        return self._wide[self._bin(num_tokens)] if num_tokens <= self.WIDE_BINS[-1] else ()
+
+    def _bin(self, width: int) -> int:
+        """The bin of ``WIDE_BINS`` that holds ``width`` (MAX_WIDTH < width <= WIDE_BINS[-1])."""
+        return bisect.bisect_left(self.WIDE_BINS, width) - 1
 
     def curve(self) -> np.ndarray:
         """c(1..MAX_WIDTH), ``[MAX_WIDTH]`` float64."""
@@ -991,16 +994,22 @@ class DraftSizer:
         if found is not None and len(found) > num_nodes:
             return found
         costs = self.cost_model.cost_list(num_nodes + 1, batch_size)
-        host = self.host_models.get(bucket)
-        one_token_s = self.cost_model.one_token_s(batch_size) if host is not None else None
-        if one_token_s:
-            a, b = host.fit()
-            if a or b:
-                a, b = a / one_token_s, b / one_token_s
-                # the widths asked for only (9 under vLLM's K = 8, not the curve's 129): a later, wider ask redraws
-                costs = [cost + a + b * nodes for nodes, cost in enumerate(costs[:num_nodes + 1])]
+        a, b = self._host_line(batch_size, batch_size)
+        if a or b:  # the widths asked for only (9 under vLLM's K = 8, not the curve's 129): a later, wider ask redraws
+            costs = [cost + a + b * nodes for nodes, cost in enumerate(costs[:num_nodes + 1])]
         self._step_costs[bucket] = costs
         return costs
+
+    def _host_line(self, batch_size: int, one_token_batch: int) -> tuple[float, float]:
+        """``(a, b)``: the step's time outside its forward at ``batch_size``'s bucket, ``a + b k`` for ``k`` nodes
+        (``HostCostModel``), in one-token forwards of ``one_token_batch`` rows; ``(0, 0)`` without host
+        measurements or a one-token time."""
+        host = self.host_models.get(self.cost_model.bucket(batch_size))
+        one_token_s = self.cost_model.one_token_s(one_token_batch) if host is not None else None
+        if not one_token_s:
+            return 0.0, 0.0
+        a, b = host.fit()
+        return a / one_token_s, b / one_token_s
 
     def select(self, request_id: Hashable, draft: Draft, kinds: list, budget: Budget,
                extras: tuple = ((0, 0.0),)) -> tuple[Draft, int]:
@@ -1093,10 +1102,7 @@ class DraftSizer:
             return self._fit_packed(request_ids, drafts, orders, sorted_probs)
         widest = max(widths)
         forward = self.cost_model.cost_list(widest + 1, batch_size)  # [w - 1]: c_B(w)
-        host = self.host_models.get(self.cost_model.bucket(batch_size))
-        one_token_s = self.cost_model.one_token_s(batch_size) if host is not None else None
-        a, b = host.fit() if one_token_s else (0.0, 0.0)
-        a, b = (a / one_token_s, b / one_token_s) if one_token_s else (0.0, 0.0)
+        a, b = self._host_line(batch_size, batch_size)
         if progress is None:
             prefix = [[0.0] + list(itertools.accumulate(probs)) for probs in sorted_probs]
             worth = None
@@ -1156,10 +1162,7 @@ class DraftSizer:
         merged = sorted((-probability, row, rank) for row, probs in enumerate(sorted_probs)
                         for rank, probability in enumerate(probs))
         forward = self.cost_model.cost_list(batch_size + len(merged), 1)  # [n - 1]: c_1(n), n tokens in all
-        host = self.host_models.get(self.cost_model.bucket(batch_size))
-        one_token_s = self.cost_model.one_token_s(1) if host is not None else None
-        a, b = host.fit() if one_token_s else (0.0, 0.0)
-        a, b = (a / one_token_s, b / one_token_s) if one_token_s else (0.0, 0.0)
+        a, b = self._host_line(batch_size, 1)
         best_rate, best_m, expected = batch_size / (forward[batch_size - 1] + a), 0, 0.0
         for m, (negative, _, _) in enumerate(merged, 1):
             expected -= negative

@@ -229,18 +229,21 @@ class Proposer:
         tail = token_ids_cpu[row, max(0, num_tokens - num_sampled - TAIL_OVERLAP):num_tokens].tolist()
         self.requests.sync(req_id, tail, num_tokens, lambda: token_ids_cpu[row, :num_tokens].copy())
 
+    def _max_depth(self, num_tokens: int) -> int:
+        """The longest chain vLLM takes after ``num_tokens`` committed tokens: K, never past ``max_model_len``."""
+        return min(self.num_speculative_tokens, self.max_model_len - num_tokens - 1)
+
     def _draft_row(self, req_id: Hashable, num_tokens: int, batch_size: int) -> Draft:
         """A synced request's draft."""
-        max_depth = min(self.num_speculative_tokens, self.max_model_len - num_tokens - 1)
+        max_depth = self._max_depth(num_tokens)
         if max_depth <= 0:
             return _EMPTY
         return self.drafter.propose(req_id, self._budget(max_depth, batch_size))
 
     def _chain(self, draft: Draft, num_tokens: int) -> list[int]:
         """A draft's ids as the chain vLLM verifies."""
-        max_depth = min(self.num_speculative_tokens, self.max_model_len - num_tokens - 1)
         ids = draft.token_ids.tolist()  # a chain already, mostly (the sizer's, under Budget.chain): its own path
-        chain = [ids[node] for node in draft.best_path()[:max_depth]]
+        chain = [ids[node] for node in draft.best_path()[:self._max_depth(num_tokens)]]
         if max(chain) >= self.vocab_size:  # never an id outside the vocabulary: stop before the first
             chain = chain[:next(i for i, token in enumerate(chain) if token >= self.vocab_size)]
         return chain
