@@ -1050,6 +1050,21 @@ def test_a_padded_prefill_keeps_the_gate_shut_until_the_bucket_measures():
     assert padded.flat_curve(5)
 
 
+def test_a_padded_budget_shuts_the_gate_from_the_prefill_steps_drafts():
+    """A padding host's first step (the prefill, drafted before its forward is reported) asks with a budget of
+    5 unpacked rows: that marks bucket 4 as its prefill's report would, so the step drafts no lookahead window
+    or recycled nodes on the borrowed flat line. A packed budget (vLLM's) leaves its bucket borrowing."""
+    padded, packed = MixtureDrafter(min_match=1), MixtureDrafter(min_match=1)
+    for drafter in (padded, packed):
+        drafter.start("r", PROMPT)
+    assert padded.flat_curve(5) and packed.flat_curve(5)
+    draft = padded.propose("r", Budget(16, 8, batch_size=5))
+    assert not padded.flat_curve(5) and padded.flat_curve(1)
+    assert draft.is_candidate is None  # no window's not-candidate nodes
+    packed.propose("r", Budget(16, 8, batch_size=5, chain=True, packed=True))
+    assert packed.flat_curve(5)
+
+
 def test_a_batch_bucket_measures_against_the_borrowed_curve():
     """Bucket 8's own model, once it answers for itself, explores against c_1(8 n) / c_1(8), not against batch 1's
     prior line, and that borrowed curve is steepened by what the bucket measured (with widths 1 and 2 pinned,

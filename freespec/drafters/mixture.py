@@ -305,6 +305,8 @@ class MixtureDrafter(Drafter):
 
     def _propose(self, request_id, budget: Budget) -> Draft:
         self._batch_size = budget.batch_size
+        if budget.batch_size > 1 and not budget.packed:  # a padding host's rows: its prefill step drafts before the
+            self.cost_model.note_padded(budget.batch_size)  # prefill's report would mark the bucket (the gate's)
         # the gate matters only to the sources that read the model (the cost curve is not read without them)
         flat = (self.recycle is not None or self.lookahead is not None) and self.flat_curve(budget.batch_size)
         scored = self._scored_drafts(request_id, budget, flat)
