@@ -396,6 +396,12 @@ class Drafter(Lockable):
         context = self._context(request_id)
         return context.size - context.start
 
+    def _progress(self, request_ids: list, packed: bool) -> list[int] | None:
+        """What a drafter that composes a ``DraftSizer`` passes its ``fit_batch`` as ``progress``: each row's
+        ``num_generated`` for a padded forward (where the batch lasts as long as its slowest rows), None for a
+        packed one (which does not read it)."""
+        return None if packed else [self.num_generated(request_id) for request_id in request_ids]
+
     def _context(self, request_id: Hashable) -> _Context:
         try:
             return self._contexts[request_id]

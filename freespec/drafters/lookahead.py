@@ -409,9 +409,7 @@ class LookaheadDrafter(Drafter):
                   packed: bool = False) -> list[Draft]:
         """The sizer's joint cut (``DraftSizer.fit_batch``; a draft with a window is left as it is); a row cut
         is credited for the nodes it keeps."""
-        fitted = self.sizer.fit_batch(request_ids, drafts, batch_size,
-                                      None if packed else [self.num_generated(request_id) for request_id in request_ids],
-                                      packed)
+        fitted = self.sizer.fit_batch(request_ids, drafts, batch_size, self._progress(request_ids, packed), packed)
         for request_id, proposed, kept in zip(request_ids, drafts, fitted):
             if kept is not proposed:
                 self._proposed[request_id] = kept

@@ -337,9 +337,7 @@ class MixtureDrafter(Drafter):
                   packed: bool = False) -> list[Draft]:
         """The sizer's joint cut (``DraftSizer.fit_batch``): every row of a padded forward pays its widest, a packed
         one pays its tokens in all."""
-        return self.sizer.fit_batch(request_ids, drafts, batch_size,
-                                    None if packed else [self.num_generated(request_id) for request_id in request_ids],
-                                    packed)
+        return self.sizer.fit_batch(request_ids, drafts, batch_size, self._progress(request_ids, packed), packed)
 
     def _self_draft(self, request_id, budget: Budget) -> Draft:
         """The early-exit draft, in a batch of one, when its gate predicts a gain; else none."""

@@ -397,9 +397,7 @@ class RecycleDrafter(Drafter):
 
     def fit_batch(self, request_ids: list, drafts: list[Draft], batch_size: int,
                   packed: bool = False) -> list[Draft]:
-        return self.sizer.fit_batch(request_ids, drafts, batch_size,
-                                    None if packed else [self.num_generated(request_id) for request_id in request_ids],
-                                    packed)
+        return self.sizer.fit_batch(request_ids, drafts, batch_size, self._progress(request_ids, packed), packed)
 
     def _propose(self, request_id, budget: Budget) -> Draft:
         draft, kinds = self.recycle.draft(request_id, self.context(request_id), budget, self.sizer.calibrator)
