@@ -151,8 +151,8 @@ def _rope_limits(model) -> tuple[int | None, int | None]:
     """(dynamic-RoPE limit, LongRoPE limit) read from the model's rotary embedding modules."""
     dynamic_limit = long_limit = None
     config = model.config
-    for module in model.modules():
-        rope_type = getattr(module, "rope_type", None)
+    for module in model.modules():  # read from the instance, then its class: an nn.Module's getattr of a name it
+        rope_type = module.__dict__.get("rope_type", getattr(type(module), "rope_type", None))  # lacks raises inside
         if rope_type is None or not hasattr(module, "original_max_seq_len"):
             continue
         types = set(rope_type.values()) if isinstance(rope_type, dict) else {rope_type}
