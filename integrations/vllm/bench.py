@@ -150,15 +150,20 @@ def _propose_timer(worker, read: bool = False) -> tuple[float, int, int] | None:
     """Runs in the engine's worker (``LLM.collective_rpc``): wraps its drafter's ``propose`` (vLLM's
     ``NgramProposer`` or ``SuffixDecodingProposer``, or freespec's proposer: whichever the engine built) to add
     up the calling thread's CPU seconds in it, its calls and the rows it drafted for (requests with new
-    tokens; a row still in its prefill has none). With ``read``: ``(seconds, calls, rows)`` so far, and the
-    counts start again from zero. The wrapper adds two clock reads a call (about a microsecond)."""
+    tokens; a row still in its prefill has none). The engine's first call is not counted: vLLM's ngram compiles
+    its kernel there (1.2 s). With ``read``: ``(seconds, calls, rows)`` so far, and the counts start again from
+    zero. The wrapper adds two clock reads a call (about a microsecond)."""
     drafter = worker.model_runner.drafter
     counts = vars(drafter).get("_bench_propose_counts")
     if counts is None:
         counts = [0.0, 0, 0]
         propose = drafter.propose
+        first = [True]
 
         def timed(*args, **kwargs):
+            if first[0]:
+                first[0] = False
+                return propose(*args, **kwargs)
             sampled = next((a for a in args if isinstance(a, list)), None)  # where each method takes it
             began = time.thread_time()
             try:
