@@ -506,10 +506,10 @@ class BatchCostModel:
     def note_padded(self, batch_size: int) -> None:
         """A padding host (HF ``generate()``) prefilled a batch of ``batch_size`` rows, or drafts for one (an unpacked
         ``Budget`` of several rows: the mixture notes it before its prefill step's drafts, which come before that
-        step's report): until that bucket's own decode forwards are measured, ``at_most`` reads ``inf`` there (no gate opens on a borrowed value), as it does once
-        the bucket has forwards but no measured bound. Without it, the first decode step of a batched call read
-        batch 1's curve (its prior line, in a process that had decoded only batches) and drafted recycled trees and
-        a lookahead window into a padded forward."""
+        step's report): until that bucket's own decode forwards are measured, ``at_most`` reads ``inf`` there (no
+        gate opens on a borrowed value), as it does once the bucket has forwards but no measured bound. Without it,
+        the first decode step of a batched call read batch 1's curve (its prior line, in a process that had decoded
+        only batches) and drafted recycled trees and a lookahead window into a padded forward."""
         bucket = self.bucket(batch_size)
         if bucket > 1 and bucket not in self._padded:
             self._padded.add(bucket)
