@@ -477,8 +477,8 @@ def test_serving_bench_times_propose_inside_the_engine_for_every_method():
     """The timer the serving benchmark sends to the engine's worker wraps its drafter's propose() whatever the
     method's signature (vLLM's ngram: K first; suffix: K and the input batch; freespec: the sampled ids first),
     counts CPU time, calls and rows with new tokens (not a row still in its prefill), returns what it holds
-    and starts again from zero; installing it twice wraps once; the engine's first call (where vLLM's ngram
-    compiles its kernel) is not counted."""
+    and starts again from zero; a second call finds the wrapper and does not wrap it again; the engine's first
+    call (where vLLM's ngram compiles its kernel) is not counted."""
     from types import SimpleNamespace
 
     from freespec.integrations.vllm import bench
@@ -495,14 +495,14 @@ def test_serving_bench_times_propose_inside_the_engine_for_every_method():
                         (2, lambda d, sampled: d.propose(8, object(), sampled)),
                         (0, lambda d, sampled: d.propose(sampled, None, None))):
         worker = SimpleNamespace(model_runner=SimpleNamespace(drafter=Drafter(where)))
-        assert bench._propose_timer(worker) is None and bench._propose_timer(worker) is None
+        assert bench._propose_timer(worker) == (0.0, 0, 0) and bench._propose_timer(worker) == (0.0, 0, 0)
         drafter = worker.model_runner.drafter
-        assert call(drafter, [[9]]) == [[7]] and bench._propose_timer(worker, True) == (0.0, 0, 0)  # the first
+        assert call(drafter, [[9]]) == [[7]] and bench._propose_timer(worker) == (0.0, 0, 0)  # the first
         assert call(drafter, [[1], [], [2, 3]]) == [[7], [7], [7]]
         call(drafter, [[4], [5]])
-        seconds, calls, rows = bench._propose_timer(worker, True)
-        assert seconds > 0 and (calls, rows) == (2, 4)
-        assert bench._propose_timer(worker, True) == (0.0, 0, 0)
+        seconds, calls, rows = bench._propose_timer(worker)
+        assert seconds > 0 and (calls, rows) == (2, 4)  # counted once a call: wrapped once
+        assert bench._propose_timer(worker) == (0.0, 0, 0)
 
 
 def test_serving_bench_refuses_methods_without_plain_vllm(capsys):

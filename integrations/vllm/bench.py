@@ -107,8 +107,6 @@ def run_method(args) -> dict:
         spec = {**spec, "num_speculative_tokens": args.k}
     llm = LLM(model=args.model_dir, dtype=args.dtype, enforce_eager=not args.compile, max_model_len=args.max_model_len,
               seed=0, speculative_config=spec, disable_log_stats=False)
-    if spec is not None:
-        llm.collective_rpc(_propose_timer)
     workloads = json.loads(Path(args.prompts).read_text())
     result = {}
     for workload, phases in workloads.items():
@@ -116,7 +114,7 @@ def run_method(args) -> dict:
         for concurrency, items in phases.items():
             concurrency = int(concurrency)
             if spec is not None:
-                llm.collective_rpc(_propose_timer, args=(True,))  # from zero
+                llm.collective_rpc(_propose_timer)  # from zero (the first phase's call installs it)
             counters = _spec_counters(llm)
             begin = time.perf_counter()
             outputs, seconds = [], []
@@ -128,7 +126,7 @@ def run_method(args) -> dict:
                 seconds.append(time.perf_counter() - start)
             after = _spec_counters(llm)
             drafts, accepted, drafted = (a - b for a, b in zip(after, counters))
-            propose_s, propose_calls, propose_rows = llm.collective_rpc(_propose_timer, args=(True,))[0] \
+            propose_s, propose_calls, propose_rows = llm.collective_rpc(_propose_timer)[0] \
                 if spec is not None else (0.0, 0, 0)
             result[f"{workload}@{concurrency}"] = {
                 "seconds": time.perf_counter() - begin, "tokens": sum(map(len, outputs)), "outputs": outputs,
@@ -146,13 +144,14 @@ def run_method(args) -> dict:
     return result
 
 
-def _propose_timer(worker, read: bool = False) -> tuple[float, int, int] | None:
+def _propose_timer(worker) -> tuple[float, int, int]:
     """Runs in the engine's worker (``LLM.collective_rpc``): wraps its drafter's ``propose`` (vLLM's
     ``NgramProposer`` or ``SuffixDecodingProposer``, or freespec's proposer: whichever the engine built) to add
     up the calling thread's CPU seconds in it, its calls and the rows it drafted for (requests with new
-    tokens; a row still in its prefill has none). The engine's first call is not counted: vLLM's ngram compiles
-    its kernel there (1.2 s). With ``read``: ``(seconds, calls, rows)`` so far, and the counts start again from
-    zero. The wrapper adds two clock reads a call (about a microsecond)."""
+    tokens; a row still in its prefill has none), once: later calls find it. The engine's first call is not
+    counted: vLLM's ngram compiles its kernel there (1.2 s). Returns ``(seconds, calls, rows)`` since the last
+    call (zeros when it installs the wrapper), and the counts start again from zero. The wrapper adds two clock
+    reads a call (about a microsecond)."""
     drafter = worker.model_runner.drafter
     counts = vars(drafter).get("_bench_propose_counts")
     if counts is None:
@@ -175,8 +174,6 @@ def _propose_timer(worker, read: bool = False) -> tuple[float, int, int] | None:
 
         drafter.propose = timed
         drafter._bench_propose_counts = counts
-    if not read:
-        return None
     found = (counts[0], counts[1], counts[2])
     counts[:] = [0.0, 0, 0]
     return found
