@@ -150,6 +150,36 @@ def test_draft_rules_for_not_candidate_nodes():
     assert draft.prune(3).num_nodes == 3 and draft.select(np.array([0, 2])).is_candidate.tolist() == [True, False]
 
 
+def _fields(draft: Draft) -> list:
+    """Every field as stored: arrays with their dtype, shape and layout; the rest as is."""
+    out = []
+    for name in ("token_ids", "parents", "confidence", "sources", "is_candidate"):
+        value = getattr(draft, name)
+        out.append((name, (value.dtype, value.shape, value.flags.c_contiguous, value.tolist())
+                    if isinstance(value, np.ndarray) else value))
+    return out
+
+
+def test_unchecked_drafts_are_stored_as_the_checked_constructor_stores_them():
+    """``select``, ``rescored`` and ``empty`` build drafts without ``__post_init__`` (the hot paths): each must
+    hold exactly what ``Draft(...)`` of the same values holds, all-candidate flags as None included."""
+    tree = Draft([5, 6, 9, 4, 7], [-1, 0, 0, 2, 1], [0.9, 0.5, 0.4, 0.2, 0.1], ("a", "b", "a", "c", "b"),
+                 is_candidate=[1, 1, 1, 0, 1])
+    plain = Draft([5, 6, 9], [-1, 0, 0])
+    for draft, nodes in ((tree, [0, 1, 4]), (tree, [0, 2, 3]), (tree, [0, 2]), (tree, []), (plain, [0, 2])):
+        chosen = draft.select(np.array(nodes, np.int64))
+        rebuilt = Draft(chosen.token_ids.tolist(), chosen.parents.tolist(),
+                        None if chosen.confidence is None else chosen.confidence.tolist(), list(chosen.sources),
+                        None if chosen.is_candidate is None else chosen.is_candidate.tolist())
+        assert _fields(chosen) == _fields(rebuilt), nodes
+        assert chosen.validate() is chosen
+    assert tree.select(np.array([0, 1, 4])).is_candidate is None  # every chosen node a candidate: the plain form
+    confidence = np.array([0.3, 0.2, 0.1], np.float32)
+    for rescored in (plain.rescored(confidence, ("x",) * 3), plain.rescored([0.3, 0.2, 0.1], ["x"] * 3)):
+        assert _fields(rescored) == _fields(Draft([5, 6, 9], [-1, 0, 0], [0.3, 0.2, 0.1], ("x",) * 3))
+    assert _fields(Draft.empty()) == _fields(Draft([], []))
+
+
 def test_hook_defaults():
     class Plain(Drafter):
         name = "plain"

@@ -190,7 +190,7 @@ class SuffixSource:
                                                             self.min_prob)
         if not token_ids.size:
             return None
-        return source, match_len, Draft(token_ids, parents, confidence, (source,) * token_ids.size)
+        return source, match_len, Draft._of(token_ids, parents, confidence, (source,) * token_ids.size)  # kernel's
 
 
 class SuffixDrafter(Drafter):
