@@ -323,3 +323,27 @@ def test_propose_digest_is_a_function_of_the_code():
 
     first, second = (propose_digest([1, 8], steps=30, prompt_len=64, k=8) for _ in range(2))
     assert first == second and min(first["drafted"].values()) > 0
+
+
+def test_propose_harness_ends_requests_and_refills_their_rows():
+    """With a lifetime, the harness's requests end and new ones take their rows (vLLM's persistent batch):
+    freespec's proposer releases every ended request into its history, holds only the running ones, and a
+    new request's row holds its own prompt; every proposer drafts through it."""
+    from freespec.integrations.vllm import bench
+
+    config = bench._harness_config([3], 40, 64, 8)
+    batch, steps = bench._harness_steps(config, 3, 40, 64, 8, seed=0, lifetime=6)
+    proposer = bench._attached_freespec_proposer(config, batch)
+    seen, drafted = set(), 0
+    for sampled in steps:
+        assert sorted(batch.req_id_to_index.values()) == [0, 1, 2]
+        assert all(batch.req_id_to_index[rid] == row for row, rid in enumerate(batch.req_ids))
+        seen.update(batch.req_ids)
+        drafted += sum(map(len, proposer.propose(sampled, batch.num_tokens_no_spec, batch.token_ids_cpu)))
+        assert proposer.num_live_requests == 3 and proposer.stats()["errors"] == 0
+    assert len(seen) >= 3 + 3 * (40 // 9)  # each row's requests live 3 to 9 steps: at least 4 ended in 40
+    assert drafted > 0 and proposer.stats()["history_tokens"] > 0
+    assert proposer.requests.num_starts == len(seen) and proposer.requests.num_restarts == 0
+    rows = bench.propose_cost([2], steps=20, prompt_len=64, k=8, lifetime=5)
+    assert {row["proposer"] for row in rows} >= {"vllm ngram", "freespec"} and all(
+        row["us_per_request"] > 0 for row in rows)

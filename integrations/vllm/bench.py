@@ -35,7 +35,8 @@ request, per phase.
 path (it runs between two forwards): vLLM's ``NgramProposer``, its ``SuffixDecodingProposer`` (where
 arctic-inference is installed) and freespec's, on the same batches of the same requests (prompts of
 ``--prompt-len`` tokens whose outputs copy prompt spans 70% of the time, each request advancing 1 to 4
-tokens a step), at 1, 8 and 32 requests: CPU microseconds per step and per request. ``--propose-digest``
+tokens a step and ending after about ``--lifetime`` steps, when the next request takes its row), at 1, 8 and
+32 requests: CPU microseconds per step and per request. ``--propose-digest``
 hashes freespec's drafts on the same batches with the proposer's clock fixed (its cost model reads the time
 between two calls), so a change meant only to make ``propose()`` cheaper can show it drafts the same.
 """
@@ -285,16 +286,30 @@ def _markdown(rows: list, best_rows: list, category_rows: list) -> str:
 
 
 class _Batch:
-    """vLLM's persistent input batch as the proposers read it (rows in a fixed order)."""
+    """vLLM's persistent input batch as the proposers read it: a row per running request; a request that ends
+    leaves its row to the next (``replace``), as vLLM refills a freed row."""
 
     def __init__(self, requests, max_model_len: int):
         self.req_ids = [f"req-{i}" for i in range(len(requests))]
         self.req_id_to_index = {rid: i for i, rid in enumerate(self.req_ids)}
         self.token_ids_cpu = np.zeros((len(requests), max_model_len), np.int32)
-        self.num_prompt_tokens = np.array([len(p) for p, _ in requests], np.int32)
-        self.num_tokens_no_spec = self.num_prompt_tokens.copy()
-        for i, (prompt, output) in enumerate(requests):
-            self.token_ids_cpu[i, :len(prompt) + len(output)] = prompt + output
+        self.num_prompt_tokens = np.zeros(len(requests), np.int32)
+        self.num_tokens_no_spec = np.zeros(len(requests), np.int32)
+        for i, request in enumerate(requests):
+            self._fill(i, request)
+
+    def _fill(self, row: int, request) -> None:
+        prompt, output = request
+        self.token_ids_cpu[row, :len(prompt) + len(output)] = prompt + output
+        self.num_prompt_tokens[row] = self.num_tokens_no_spec[row] = len(prompt)
+
+    def replace(self, row: int, req_id: str, request) -> None:
+        """Request ``req_id`` (``(prompt, output)``) takes ``row``; the request there has ended."""
+        del self.req_id_to_index[self.req_ids[row]]
+        self.req_ids[row] = req_id
+        self.req_id_to_index[req_id] = row
+        self.token_ids_cpu[row] = 0
+        self._fill(row, request)
 
 
 def _harness_config(batch_sizes, steps: int, prompt_len: int, k: int):
@@ -312,19 +327,36 @@ def _harness_config(batch_sizes, steps: int, prompt_len: int, k: int):
         parallel_config=SimpleNamespace(tensor_parallel_size=1))
 
 
-def _harness_steps(config, batch_size: int, steps: int, prompt_len: int, k: int, seed: int):
-    """``(batch, steps)``: vLLM's persistent batch of ``batch_size`` requests (prompts whose outputs copy prompt
-    spans) and an iterator that advances each row 1 to 4 committed tokens a step and yields its sampled ids."""
+def _harness_steps(config, batch_size: int, steps: int, prompt_len: int, k: int, seed: int, lifetime: int = 0):
+    """``(batch, steps)``: vLLM's persistent batch of ``batch_size`` rows (prompts whose outputs copy prompt spans)
+    and an iterator that advances each row 1 to 4 committed tokens a step and yields its sampled ids.
+
+    With ``lifetime``, a request runs about that many steps (from half to one and a half times it, drawn) and
+    ends, and the next request takes its row the same step: the proposers then start requests mid-run and
+    keep what ended ones leave (freespec's request history, vLLM ``suffix``'s cache of earlier responses), as
+    in the engine, where a harness whose requests never end left that work out. ``lifetime`` 0: every request
+    runs every step."""
     from freespec.integrations.sglang.bench import make_requests
 
-    requests = make_requests(batch_size, prompt_len, 4 * steps + k, seed)
     advance = np.random.default_rng(seed).integers(1, 5, (steps, batch_size))
-    batch = _Batch(requests, config.model_config.max_model_len)
+    if lifetime:
+        lives = np.random.default_rng(seed + 2).integers(max(1, lifetime // 2), lifetime + lifetime // 2 + 1,
+                                                         batch_size * (steps // max(1, lifetime // 2) + 2)).tolist()
+        requests = make_requests(len(lives) + batch_size, prompt_len, 4 * max(lives) + k, seed)
+        end_at = lives[:batch_size]  # the step at which each row's request ends
+    else:
+        requests, lives, end_at = make_requests(batch_size, prompt_len, 4 * steps + k, seed), [], None
+    batch = _Batch(requests[:batch_size], config.model_config.max_model_len)
 
     def step_ids():
+        started = batch_size
         for step in range(steps):
             sampled = []
             for i, n in enumerate(advance[step].tolist()):
+                if end_at is not None and step >= end_at[i]:  # the row's request ended: the next one takes the row
+                    batch.replace(i, f"req-{started}", requests[started])
+                    end_at[i] = step + lives[started]
+                    started += 1
                 first = int(batch.num_tokens_no_spec[i])
                 sampled.append(batch.token_ids_cpu[i, first:first + n].tolist())
                 batch.num_tokens_no_spec[i] += n
@@ -341,8 +373,9 @@ def _attached_freespec_proposer(config, batch):
     return proposer
 
 
-def propose_cost(batch_sizes, steps: int, prompt_len: int, k: int, seed: int = 0) -> list[dict]:
-    """CPU microseconds per ``propose()`` step and per request, per proposer and batch size."""
+def propose_cost(batch_sizes, steps: int, prompt_len: int, k: int, seed: int = 0, lifetime: int = 0) -> list[dict]:
+    """CPU microseconds per ``propose()`` step and per request, per proposer and batch size (``lifetime``: the
+    steps a request runs before the next takes its row, ``_harness_steps``)."""
     from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 
     config = _harness_config(batch_sizes, steps, prompt_len, k)
@@ -359,7 +392,7 @@ def propose_cost(batch_sizes, steps: int, prompt_len: int, k: int, seed: int = 0
     rows = []
     for batch_size in batch_sizes:
         for name, build in proposers.items():
-            batch, step_ids = _harness_steps(config, batch_size, steps, prompt_len, k, seed)
+            batch, step_ids = _harness_steps(config, batch_size, steps, prompt_len, k, seed, lifetime)
             proposer = build(batch)
             seconds = 0.0
             for step, sampled in enumerate(step_ids):
@@ -378,7 +411,7 @@ def propose_cost(batch_sizes, steps: int, prompt_len: int, k: int, seed: int = 0
     return rows
 
 
-def propose_digest(batch_sizes, steps: int, prompt_len: int, k: int, seed: int = 0) -> dict:
+def propose_digest(batch_sizes, steps: int, prompt_len: int, k: int, seed: int = 0, lifetime: int = 0) -> dict:
     """freespec's drafts on ``propose_cost``'s batches with the proposer's clock replaced by a fixed sequence
     (10 ms steps, seeded jitter): ``{"drafted": {batch size: tokens drafted}, "digest": hash of every step's
     drafts}``, a function of the code alone. A change meant only to make ``propose()`` cheaper leaves it as it
@@ -389,7 +422,7 @@ def propose_digest(batch_sizes, steps: int, prompt_len: int, k: int, seed: int =
     jitter = np.random.default_rng(seed + 1).random(1 << 16).tolist()
     digest, drafted = hashlib.sha256(), {}
     for batch_size in batch_sizes:
-        batch, step_ids = _harness_steps(config, batch_size, steps, prompt_len, k, seed)
+        batch, step_ids = _harness_steps(config, batch_size, steps, prompt_len, k, seed, lifetime)
         proposer = _attached_freespec_proposer(config, batch)
         ticks = itertools.count()
 
@@ -609,6 +642,9 @@ def main(argv=None) -> int:
                         "change meant only to make propose() cheaper must leave it as it was)")
     parser.add_argument("--prompt-len", type=int, default=1024, help="--propose-cost/--propose-digest: prompt tokens")
     parser.add_argument("--steps", type=int, default=200, help="--propose-cost/--propose-digest: steps per batch size")
+    parser.add_argument("--lifetime", type=int, default=50,
+                        help="--propose-cost/--propose-digest: steps a request runs, on average, before it ends and "
+                             "the next request takes its row (0: no request ends)")
     parser.add_argument("--soak", type=int, metavar="N", help="N requests through vllm serve instead (16 clients)")
     parser.add_argument("--soak-method", default="freespec", choices=list(METHODS),
                         help="--soak: the speculation the server runs (vanilla: plain vLLM, the memory baseline)")
@@ -627,11 +663,13 @@ def main(argv=None) -> int:
         args.method, args.k = args.run_method, ks[0]
         Path(args.out).write_text(json.dumps(run_method(args)))
         return 0
+    if args.lifetime < 0:
+        parser.error(f"--lifetime: expected a number of steps >= 0 (0: no request ends), got {args.lifetime}")
     if args.propose_digest:
-        print(json.dumps(propose_digest([1, 8, 32], args.steps, args.prompt_len, ks[0])))
+        print(json.dumps(propose_digest([1, 8, 32], args.steps, args.prompt_len, ks[0], lifetime=args.lifetime)))
         return 0
     if args.propose_cost:
-        rows = propose_cost([1, 8, 32], args.steps, args.prompt_len, ks[0])
+        rows = propose_cost([1, 8, 32], args.steps, args.prompt_len, ks[0], lifetime=args.lifetime)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "propose_cost.json").write_text(json.dumps(rows, indent=1))
