@@ -389,8 +389,9 @@ def merge_indexed(drafts: Sequence[Draft]) -> tuple[Draft, list[list[int]]]:
     for i, parent in enumerate(parents):  # max() across merged drafts can break monotonicity: restore it
         if parent >= 0 and confidence[parent] < confidence[i]:
             confidence[i] = confidence[parent]
-    merged = Draft(np.asarray(token_ids, np.int64), np.asarray(parents, np.int32), np.asarray(confidence, np.float32),
-                   tuple(sources) if any(sources) else (), np.asarray(is_candidate, bool))
+    merged = Draft._of(np.array(token_ids, np.int64), np.array(parents, np.int32), np.array(confidence, np.float32),
+                       tuple(sources) if any(sources) else (),
+                       None if all(is_candidate) else np.array(is_candidate, bool))
     return merged, node_maps
 
 

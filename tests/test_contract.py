@@ -161,8 +161,8 @@ def _fields(draft: Draft) -> list:
 
 
 def test_unchecked_drafts_are_stored_as_the_checked_constructor_stores_them():
-    """``select``, ``rescored`` and ``empty`` build drafts without ``__post_init__`` (the hot paths): each must
-    hold exactly what ``Draft(...)`` of the same values holds, all-candidate flags as None included."""
+    """``select``, ``rescored``, ``empty`` and ``merge`` build drafts without ``__post_init__`` (the hot paths):
+    each must hold exactly what ``Draft(...)`` of the same values holds, all-candidate flags as None included."""
     tree = Draft([5, 6, 9, 4, 7], [-1, 0, 0, 2, 1], [0.9, 0.5, 0.4, 0.2, 0.1], ("a", "b", "a", "c", "b"),
                  is_candidate=[1, 1, 1, 0, 1])
     plain = Draft([5, 6, 9], [-1, 0, 0])
@@ -178,6 +178,11 @@ def test_unchecked_drafts_are_stored_as_the_checked_constructor_stores_them():
     for rescored in (plain.rescored(confidence, ("x",) * 3), plain.rescored([0.3, 0.2, 0.1], ["x"] * 3)):
         assert _fields(rescored) == _fields(Draft([5, 6, 9], [-1, 0, 0], [0.3, 0.2, 0.1], ("x",) * 3))
     assert _fields(Draft.empty()) == _fields(Draft([], []))
+    for drafts in ([tree, plain], [plain, Draft([5, 7], [-1, 0], [0.8, 0.6])], []):
+        merged = freespec.merge(drafts)
+        rebuilt = Draft(merged.token_ids.tolist(), merged.parents.tolist(), merged.confidence.tolist(),
+                        list(merged.sources), None if merged.is_candidate is None else merged.is_candidate.tolist())
+        assert _fields(merged) == _fields(rebuilt)
 
 
 def test_hook_defaults():
