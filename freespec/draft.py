@@ -41,6 +41,11 @@ from .tree import node_depths
 _INT64, _INT32, _FLOAT32 = np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.float32)
 
 
+def _some_not_candidates(is_candidate: np.ndarray | None) -> np.ndarray | None:
+    """A draft's ``is_candidate`` as stored: None (the plain form) where every node is a candidate, else the mask."""
+    return None if is_candidate is None or is_candidate.all() else is_candidate
+
+
 def _is_vector(value, dtype: np.dtype) -> bool:
     """Whether ``value`` is already a contiguous 1-D array of ``dtype`` (most drafts are built from such)."""
     return type(value) is np.ndarray and value.dtype is dtype and value.ndim == 1 and value.flags.c_contiguous
@@ -91,7 +96,7 @@ class Draft:
             object.__setattr__(self, "sources", tuple(self.sources))
         if self.is_candidate is not None:
             is_candidate = np.ascontiguousarray(self.is_candidate, dtype=bool).reshape(-1)
-            object.__setattr__(self, "is_candidate", None if is_candidate.all() else is_candidate)
+            object.__setattr__(self, "is_candidate", _some_not_candidates(is_candidate))
 
     # ------------------------------------------------------------------ builders
     @classmethod
@@ -272,13 +277,12 @@ class Draft:
         old_parents = self.parents.tolist()
         parents = [new_index.get(old_parents[i], -2) for i in node_list]  # -2: a parent left out
         well_formed = all(-1 <= parent < k for k, parent in enumerate(parents))  # closed and ascending
-        is_candidate = None if self.is_candidate is None else self.is_candidate[nodes]
         chosen = Draft._of(  # fancy indexing gives contiguous arrays of the same dtypes
             self.token_ids[nodes],
             np.array(parents if well_formed else [max(-1, parent) for parent in parents], np.int32),
             None if self.confidence is None else self.confidence[nodes],
             tuple([self.sources[i] for i in node_list]) if self.sources else (),
-            None if is_candidate is None or is_candidate.all() else is_candidate,
+            None if self.is_candidate is None else _some_not_candidates(self.is_candidate[nodes]),
         )
         depths = self.__dict__.get("_depths")
         if depths is not None and well_formed:  # a node keeps its ancestors, so its depth
@@ -391,7 +395,7 @@ def merge_indexed(drafts: Sequence[Draft]) -> tuple[Draft, list[list[int]]]:
             confidence[i] = confidence[parent]
     merged = Draft._of(np.array(token_ids, np.int64), np.array(parents, np.int32), np.array(confidence, np.float32),
                        tuple(sources) if any(sources) else (),
-                       None if all(is_candidate) else np.array(is_candidate, bool))
+                       _some_not_candidates(np.array(is_candidate, bool)))
     return merged, node_maps
 
 
