@@ -340,8 +340,9 @@ def _harness_steps(config, batch_size: int, steps: int, prompt_len: int, k: int,
 
     advance = np.random.default_rng(seed).integers(1, 5, (steps, batch_size))
     if lifetime:
-        lives = np.random.default_rng(seed + 2).integers(max(1, lifetime // 2), lifetime + lifetime // 2 + 1,
-                                                         batch_size * (steps // max(1, lifetime // 2) + 2)).tolist()
+        shortest = max(1, lifetime // 2)  # lives run from half to one and a half times lifetime; enough for every row
+        lives = np.random.default_rng(seed + 2).integers(shortest, lifetime + lifetime // 2 + 1,
+                                                         batch_size * (steps // shortest + 2)).tolist()
         requests = make_requests(len(lives) + batch_size, prompt_len, 4 * max(lives) + k, seed)
         end_at = lives[:batch_size]  # the step at which each row's request ends
     else:
