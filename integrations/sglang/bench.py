@@ -8,6 +8,9 @@ corpus, in one process on the CPU, and reports microseconds per request::
     python -m freespec.integrations.sglang.bench                  # batch 1, 8, 32, 128
     python -m freespec.integrations.sglang.bench --batch-sizes 32 --drafters prompt_lookup
 
+(``python -m freespec.integrations.sglang.bench serving ...`` is the serving benchmark instead: plain SGLang,
+NGRAM and freespec's drafts in real engines, ``bench_serving.py``.)
+
 Workload: requests with ``--prompt-len``-token prompts of Zipf-distributed
 phrases; each output copies spans of its prompt (70%) or new phrases (30%),
 as code edits and summaries do. Every step each request advances by 1 to 4
@@ -33,6 +36,7 @@ C++: synchronize + get + put), ``nodes`` = mean drafted nodes per request.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
@@ -198,6 +202,11 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serving"]:  # the serving benchmark (bench_serving.py)
+        from .bench_serving import main as serving_main
+
+        sys.exit(serving_main(argv[1:]))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", default="1,8,32,128")
     parser.add_argument("--drafters", default="prompt_lookup,suffix,mixture")
