@@ -124,6 +124,39 @@ def naive_bfs(parents) -> list[int]:
 
 
 # =====================================================================================
+# freespec.kernels.lookup_calibration (via freespec.drafters.calibration.calibrate_lookups)
+# =====================================================================================
+
+
+def naive_lookup_kinds(parents, raw, match_len, match_edges, freq_edges) -> tuple[list[int], list[tuple[int, int]]]:
+    """Twin of ``lookup_kinds_kernel`` for one tree: each node's depth (steps up to the root) and its
+    (match bucket, frequency bucket), by ``bisect``."""
+    import bisect
+
+    depths = naive_depths(parents)
+    buckets = []
+    for i, parent in enumerate(parents):
+        frequency = raw[i] if parent < 0 else (raw[i] / raw[parent] if raw[parent] > 0 else 0.0)
+        effective = match_len + depths[i] - 1 if match_len > 0 else 0
+        buckets.append((bisect.bisect_right(match_edges, effective), bisect.bisect_left(freq_edges, frequency)))
+    return depths, buckets
+
+
+def naive_path_probabilities(parents, node_probabilities) -> list[float]:
+    """Twin of ``path_probabilities_kernel`` for one tree: the product of the probabilities from the root down."""
+    out = []
+    for node in range(len(parents)):
+        product, path = 1.0, []
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        for step in reversed(path):  # root first, as the kernel multiplies
+            product = node_probabilities[step] if step == path[-1] else node_probabilities[step] * product
+        out.append(product)
+    return out
+
+
+# =====================================================================================
 # freespec.kernels.successor_table
 # Tables are dicts: "model" token -> list, "model_conf" token -> list of confidence classes, "text" token -> list,
 # "pair" slot -> ((prev, token), list, list of confidence classes).

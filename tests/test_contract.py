@@ -204,3 +204,33 @@ def test_hook_defaults():
     drafter.stop("r")
     assert not Plain.accepts_documents and not Plain.needs_model and Plain.observe_top_k == 0
     assert ForwardReport(("a", "b"), (3, 5), 0.1).width == 5
+
+
+@pytest.mark.parametrize("name", ["mixture", "suffix", "prompt_lookup"])
+def test_propose_batch_is_propose_for_each_request(name):
+    """A step's requests in one ``propose_batch`` call draft what one ``propose`` each would (two drafters fed the
+    same steps); a zero budget or an empty context gives an empty draft, an unknown request or a length mismatch
+    raises before any request drafts."""
+    from freespec.drafters import make
+
+    one_by_one, batched = make(name), make(name)
+    prompts = {"a": [1, 2, 3, 1, 2, 4, 1, 2], "b": [7, 8, 9, 7, 8], "c": []}
+    for drafter in (one_by_one, batched):
+        for request_id, prompt in prompts.items():
+            drafter.start(request_id, prompt)
+    budgets = [Budget(8, 4, 3), Budget(8, 4, 3), Budget(8, 4, 3)]
+    for step in range(4):
+        expected = [one_by_one.propose(request_id, budget) for request_id, budget in zip(prompts, budgets)]
+        found = batched.propose_batch(list(prompts), budgets)
+        for want, got in zip(expected, found):
+            assert got.token_ids.tolist() == want.token_ids.tolist() and got.parents.tolist() == want.parents.tolist()
+            assert (got.confidence is None) == (want.confidence is None)
+            assert got.confidence is None or got.confidence.tolist() == want.confidence.tolist()
+        for drafter in (one_by_one, batched):
+            for request_id in prompts:
+                drafter.extend(request_id, [3 + step, 1, 2])
+    assert batched.propose_batch(["a", "b"], [Budget(0, 4), Budget(8, 0)])[0].num_nodes == 0
+    with pytest.raises(ValueError, match="not active"):
+        batched.propose_batch(["a", "nobody"], budgets[:2])
+    with pytest.raises(ValueError, match="2 request ids and 3 budgets"):
+        batched.propose_batch(["a", "b"], budgets)

@@ -5,6 +5,7 @@ import statistics
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from freespec.draft import Budget, Draft
 from freespec.drafters import make
@@ -501,6 +502,60 @@ def test_calibrated_trees_keep_their_depths():
         assert kinds == [calibrator.kind("suffix", match_len, depths[i], raw[i] / (raw[p] if p >= 0 else 1.0))
                          for i, p in enumerate(parents.tolist())]  # the kinds calibrator.kind names
         assert all(scored.confidence[i] <= scored.confidence[p] for i, p in enumerate(parents.tolist()) if p >= 0)
+
+
+@st.composite
+def lookup_trees(draw):
+    """(source, match_len, draft) of a step's lookup sources: random trees, raw frequencies (zeros and a missing
+    confidence included) and match lengths."""
+    trees = []
+    for _ in range(draw(st.integers(0, 5))):
+        n = draw(st.integers(0, 12))
+        parents = np.array([draw(st.integers(-1, i - 1)) for i in range(n)], np.int32)
+        raw = None if draw(st.booleans()) and n and draw(st.booleans()) else np.array(
+            [draw(st.sampled_from([0.0, 0.1, 0.2, 0.25, 0.4, 0.5, 0.8, 0.999, 1.0])) for _ in range(n)], np.float32)
+        trees.append((draw(st.sampled_from(["suffix", "history", "corpus"])), draw(st.integers(0, 40)),
+                      Draft(np.arange(n), parents, raw)))
+    return trees
+
+
+@given(lookup_trees())
+@settings(deadline=None)  # two Numba kernels per example on a loaded 2-core machine
+def test_calibrate_lookups_matches_its_twins(lookups):
+    """A step's trees scored in one pass (calibrate_lookups' kernels) are what the naive walk gives each tree: depths,
+    kinds (calibrator.kind's buckets), path probabilities (the product of the kinds' probabilities from the root);
+    and each is what calibrate_lookup gives it alone."""
+    from freespec.drafters.calibration import calibrate_lookup, calibrate_lookups
+    from naive import naive_lookup_kinds, naive_path_probabilities
+
+    calibrator = AcceptanceCalibrator()
+    for kind, accepted in ((("suffix", 3, 5), True), (("suffix", 3, 5), False), (("history", 2, 4), True)):
+        calibrator.update(kind, accepted)  # a few counted kinds, the rest at their priors
+    calibrator.tick()
+    scored = calibrate_lookups(calibrator, lookups)
+    assert len(scored) == len(lookups)
+    for (source, match_len, draft), (tree, kinds), alone in zip(lookups, scored, (calibrate_lookup(calibrator, *lookup)
+                                                                                 for lookup in lookups)):
+        parents = draft.parents.tolist()
+        raw = [1.0] * len(parents) if draft.confidence is None else draft.confidence.tolist()
+        depths, buckets = naive_lookup_kinds(parents, raw, match_len, calibrator.MATCH_EDGES, calibrator.FREQ_EDGES)
+        assert tree.depths().tolist() == depths
+        assert kinds == [(source, *bucket) for bucket in buckets]
+        expected = naive_path_probabilities(parents, [calibrator.probability(kind) for kind in kinds])
+        assert tree.confidence.tolist() == np.array(expected, np.float32).tolist()
+        assert tree.sources == (source,) * len(parents) and tree.token_ids is draft.token_ids
+        assert alone[1] == kinds and alone[0].confidence.tolist() == tree.confidence.tolist()
+
+
+def test_calibrate_lookups_refuses_a_parent_after_its_child():
+    from freespec.drafters.calibration import calibrate_lookups
+
+    good = ("suffix", 2, Draft.chain([1, 2], score=0.5))
+    bad = ("history", 2, Draft._of(np.array([1, 2], np.int64), np.array([-1, 1], np.int32),
+                                   np.ones(2, np.float32)))
+    with pytest.raises(ValueError, match="node 1 of the 'history' tree has parent 1"):
+        calibrate_lookups(AcceptanceCalibrator(), [good, bad])
+    assert calibrate_lookups(AcceptanceCalibrator(), []) == []
 
 
 def test_cost_model_pools_scattered_widths_in_their_group():

@@ -85,7 +85,7 @@ from __future__ import annotations
 import functools
 import threading
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterable, Mapping
+from typing import Any, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -312,6 +312,28 @@ class Drafter(Lockable):
         return self._propose(request_id, budget)
 
     @_locked
+    def propose_batch(self, request_ids: Sequence[Hashable], budgets: Sequence[Budget]) -> list[Draft]:
+        """``[propose(request_id, budget) for ...]``, one step's requests in one call (``budgets[i]`` is
+        ``request_ids[i]``'s), so a drafter can do the step's work for all of them at once (``_propose_batch``;
+        the mixture calibrates every request's lookup trees in one pass). Every request is checked before any
+        drafts."""
+        if len(request_ids) != len(budgets):
+            raise ValueError(f"propose_batch got {len(request_ids)} request ids and {len(budgets)} budgets")
+        drafts: list[Draft | None] = [None] * len(request_ids)
+        to_draft = []
+        for i, (request_id, budget) in enumerate(zip(request_ids, budgets)):
+            context = self._context(request_id)  # an unknown request raises, whatever the budget
+            if budget.num_nodes == 0 or budget.max_depth == 0 or context.size == 0:
+                drafts[i] = Draft.empty()
+            else:
+                to_draft.append(i)
+        if to_draft:
+            found = self._propose_batch([request_ids[i] for i in to_draft], [budgets[i] for i in to_draft])
+            for i, draft in zip(to_draft, found):
+                drafts[i] = draft
+        return drafts
+
+    @_locked
     def fit_batch(self, request_ids: list, drafts: list[Draft], batch_size: int,
                   packed: bool = False) -> list[Draft]:
         """The drafts of one batch forward (``drafts[i]`` proposed for ``request_ids[i]``), as the host will verify
@@ -419,3 +441,8 @@ class Drafter(Lockable):
 
     def _propose(self, request_id, budget: Budget) -> Draft:
         raise NotImplementedError
+
+    def _propose_batch(self, request_ids: list, budgets: list[Budget]) -> list[Draft]:
+        """``_propose`` for each request (checked by ``propose_batch``); a drafter that does a step's work at once
+        overrides this."""
+        return [self._propose(request_id, budget) for request_id, budget in zip(request_ids, budgets)]

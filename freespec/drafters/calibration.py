@@ -26,6 +26,7 @@ from typing import Callable, Hashable
 import numpy as np
 
 from ..draft import Budget, Draft, best_path
+from ..kernels.lookup_calibration import lookup_kinds_kernel, path_probabilities_kernel
 from .options import check_bool, check_int, check_number
 
 
@@ -720,6 +721,13 @@ class AcceptanceCalibrator:
         return (source, bisect.bisect_right(self.MATCH_EDGES, effective),
                 bisect.bisect_left(self.FREQ_EDGES, frequency))
 
+    def edge_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``MATCH_EDGES`` (int64) and ``FREQ_EDGES`` (float64) as the arrays ``calibrate_lookup``'s kernel reads."""
+        found = self.__dict__.get("_edge_arrays")
+        if found is None:
+            found = self._edge_arrays = (np.array(self.MATCH_EDGES, np.int64), np.array(self.FREQ_EDGES, np.float64))
+        return found
+
     def prior(self, kind: tuple) -> float:
         found = self._base_priors.get(kind)
         if found is None:
@@ -901,34 +909,64 @@ def calibrate_lookup(calibrator: AcceptanceCalibrator, source: str, match_len: i
     occurrences); a node's kind is ``calibrator.kind(source, match_len, depth,
     its frequency over its parent's)`` and its path probability the product of
     its kinds' probabilities along the path. Sources are labelled ``source``.
+    ``calibrate_lookups`` scores a step's trees in one pass.
     """
-    num_nodes = draft.num_nodes
-    raw = [1.0] * num_nodes if draft.confidence is None else draft.confidence.tolist()
-    depths, path_probs, kinds = [0] * num_nodes, [0.0] * num_nodes, [None] * num_nodes
-    probability_of: dict[tuple, float] = {}  # kind -> its probability (a tree has few kinds; counts stay put here)
-    probability_for = calibrator.probability
-    # calibrator.kind(source, match_len, depth, frequency), inlined: it runs once per node
-    match_edges, freq_edges = calibrator.MATCH_EDGES, calibrator.FREQ_EDGES
-    effective = match_len - 1 if match_len > 0 else None  # + depth: the match bucket's input
-    for i, parent in enumerate(draft.parents.tolist()):  # topological: a parent's depth and path come first
-        if parent < 0:
-            depth, frequency, above = 1, raw[i], 1.0
-        else:
-            parent_raw = raw[parent]
-            depth, above = depths[parent] + 1, path_probs[parent]
-            frequency = raw[i] / parent_raw if parent_raw > 0 else 0.0
-        kind = (source, bisect.bisect_right(match_edges, 0 if effective is None else effective + depth),
-                bisect.bisect_left(freq_edges, frequency))
-        probability = probability_of.get(kind)
-        if probability is None:
-            probability = probability_of[kind] = probability_for(kind)
-        depths[i], kinds[i], path_probs[i] = depth, kind, probability * above
-    scored = draft.rescored(np.asarray(path_probs, np.float32), (source,) * num_nodes)
-    if "_depths" not in scored.__dict__:  # the walk above has them: spare the draft its depth kernel
-        known = np.asarray(depths, np.int64)
-        known.flags.writeable = False
-        object.__setattr__(scored, "_depths", known)
-    return scored, kinds
+    return calibrate_lookups(calibrator, [(source, match_len, draft)])[0]
+
+
+def calibrate_lookups(calibrator: AcceptanceCalibrator,
+                      lookups: list[tuple[str, int, Draft]]) -> list[tuple[Draft, list[tuple]]]:
+    """``[calibrate_lookup(calibrator, *lookup) for lookup in lookups]``, every tree in one pass of two kernels
+    (``kernels.lookup_calibration``: the trees laid end to end; a probability read per kind that occurs).
+
+    The counts must not change in between (they do not while a step drafts: ``judge`` counts at ``extend``), so
+    the trees of all of a step's requests score as they would one by one."""
+    if not lookups:
+        return []
+    match_edges, freq_edges = calibrator.edge_arrays()
+    num_freq = freq_edges.shape[0] + 1
+    num_codes = (match_edges.shape[0] + 1) * num_freq  # per source
+    names: dict[str, int] = {}  # source -> its index (codes of different sources never meet)
+    rows, ends, end = [], [0], 0  # rows: ``trees`` [T, 4] flat (first node, end, match length, code base)
+    for source, match_len, draft in lookups:
+        first, end = end, end + draft.num_nodes
+        rows += (first, end, match_len, names.setdefault(source, len(names)) * num_codes)
+        ends.append(end)
+    trees = np.array(rows, np.int64).reshape(-1, 4)
+    if len(lookups) == 1:
+        parents, raw = lookups[0][2].parents, lookups[0][2].confidence
+    else:
+        parents = np.concatenate([draft.parents for _, _, draft in lookups])
+        raw = None if any(draft.confidence is None for _, _, draft in lookups) else \
+            np.concatenate([draft.confidence for _, _, draft in lookups])
+    if raw is None:  # a tree without frequencies: 1.0 where one is missing
+        raw = np.concatenate([np.ones(draft.num_nodes, np.float32) if draft.confidence is None else draft.confidence
+                              for _, _, draft in lookups])
+    walked = np.empty((2, end), np.int64)  # each node's depth, its kind's code
+    depths, codes = walked[0], walked[1]
+    bad = lookup_kinds_kernel(parents, trees, raw, match_edges, freq_edges, depths, codes)
+    if bad >= 0:
+        tree = next(t for t in range(len(lookups)) if bad < ends[t + 1])
+        raise ValueError(f"node {bad - ends[tree]} of the {lookups[tree][0]!r} tree has parent "
+                         f"{int(parents[bad])}: parents must precede their children")
+    code_list = codes.tolist()
+    sources = list(names)
+    kind_of: dict[int, tuple] = {}  # code -> kind (a step has few kinds; counts stay put while it drafts)
+    code_probabilities = np.empty(len(sources) * num_codes)
+    for code in set(code_list):
+        source, local = divmod(code, num_codes)
+        kind_of[code] = kind = (sources[source], local // num_freq, local % num_freq)
+        code_probabilities[code] = calibrator.probability(kind)
+    path_probs = np.empty(end, np.float32)
+    path_probabilities_kernel(parents, trees, codes, code_probabilities, path_probs)
+    walked.flags.writeable = False  # the depths the drafts keep (``Draft.depths``)
+    out = []
+    for (source, _, draft), first, last in zip(lookups, ends, ends[1:]):
+        scored = Draft._of(draft.token_ids, draft.parents, path_probs[first:last], (source,) * (last - first),
+                           draft.is_candidate)  # the tree's own arrays, new confidence: as its checks left them
+        scored.__dict__["_depths"] = depths[first:last]
+        out.append((scored, [kind_of[code] for code in code_list[first:last]]))
+    return out
 
 
 class DraftSizer:

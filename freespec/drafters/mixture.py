@@ -75,7 +75,7 @@ import numpy as np
 from ..draft import Budget, Draft, merge_indexed
 from ..tree import follow
 from .base import Drafter, ForwardReport, VerifyOutput, exercise
-from .calibration import DraftSizer, calibrate_lookup
+from .calibration import DraftSizer, calibrate_lookup, calibrate_lookups
 from .corpus import DocumentIndex, DocumentSource
 from .early_exit import EarlyExitDrafter
 from .lookahead import LookaheadSource
@@ -287,11 +287,10 @@ class MixtureDrafter(Drafter):
             out.append(("ngram", 1, self.ngram.propose(request_id, Budget(budget.num_nodes, depth))))
         return [source for source in out if source[2].num_nodes]
 
-    def _scored_drafts(self, request_id, budget: Budget, flat: bool) -> list[tuple[Draft, list[tuple]]]:
-        """Every source's tree with calibrated path probabilities as confidence, and its nodes' kinds
-        (recycling's and the pool's only where ``flat``)."""
-        lookups = self._source_drafts(request_id, budget)
-        scored = [calibrate_lookup(self.calibrator, *source) for source in lookups]
+    def _scored_drafts(self, request_id, budget: Budget, flat: bool, lookups: list,
+                       scored: list) -> list[tuple[Draft, list[tuple]]]:
+        """Every source's tree with calibrated path probabilities as confidence, and its nodes' kinds: the lookup
+        sources' (``lookups``, calibrated as ``scored``), then recycling's and the pool's where ``flat``."""
         if not flat:  # the sources that read the model run only where verification is nearly flat
             return [(draft, kinds) for draft, kinds in scored if draft.num_nodes]
         longest = max((match_len for _, match_len, _ in lookups), default=0)
@@ -304,12 +303,25 @@ class MixtureDrafter(Drafter):
         return [(draft, kinds) for draft, kinds in scored if draft.num_nodes]
 
     def _propose(self, request_id, budget: Budget) -> Draft:
+        return self._propose_batch([request_id], [budget])[0]
+
+    def _propose_batch(self, request_ids: list, budgets: list[Budget]) -> list[Draft]:
+        """Every request's lookup trees first, calibrated in one pass (``calibrate_lookups``: the calibrator's
+        counts do not change while a step drafts), then each request's tree merged and sized."""
+        lookups = [self._source_drafts(request_id, budget) for request_id, budget in zip(request_ids, budgets)]
+        scored = iter(calibrate_lookups(self.calibrator, [lookup for found in lookups for lookup in found]))
+        return [self._sized(request_id, budget, found, [next(scored) for _ in found])
+                for request_id, budget, found in zip(request_ids, budgets, lookups)]
+
+    def _sized(self, request_id, budget: Budget, lookups: list, scored: list) -> Draft:
+        """The request's draft from its lookup sources' trees (``lookups``, calibrated as ``scored``) and the
+        sources that read the model: merged, sized, with the lookahead window where it rides."""
         self._batch_size = budget.batch_size
         if budget.batch_size > 1 and not budget.packed:  # a padding host's rows: its prefill step drafts before the
             self.cost_model.note_padded(budget.batch_size)  # prefill's report would mark the bucket (the gate's)
         # the gate matters only to the sources that read the model (the cost curve is not read without them)
         flat = (self.recycle is not None or self.lookahead is not None) and self.flat_curve(budget.batch_size)
-        scored = self._scored_drafts(request_id, budget, flat)
+        scored = self._scored_drafts(request_id, budget, flat, lookups, scored)
         if len(scored) > 1:  # the most trusted source names shared nodes
             scored.sort(key=lambda c: -float(c[0].confidence.max()))
         if len(scored) == 1:

@@ -192,16 +192,7 @@ class Proposer:
             except Exception as exc:  # this request drafts nothing this step, and restarts at the next
                 self._error(f"request:{type(exc).__name__}", exc, req_id)
                 self.requests.discard(req_id)
-        proposed = {}  # row -> its draft (a tree the sizer chose), before the step's joint cut
-        for i in synced:
-            req_id = req_ids[i]
-            try:
-                draft = self._draft_row(req_id, num_tokens_of[i], budget_rows)
-                if draft.num_nodes:
-                    proposed[i] = draft
-            except Exception as exc:  # as above
-                self._error(f"request:{type(exc).__name__}", exc, req_id)
-                self.requests.discard(req_id)
+        proposed = self._draft_rows(req_ids, synced, num_tokens_of, budget_rows)  # before the step's joint cut
         if len(rows) > 1 and proposed:
             proposed = self._fit(req_ids, rows, proposed)
         for i, draft in proposed.items():
@@ -232,6 +223,28 @@ class Proposer:
     def _max_depth(self, num_tokens: int) -> int:
         """The longest chain vLLM takes after ``num_tokens`` committed tokens: K, never past ``max_model_len``."""
         return min(self.num_speculative_tokens, self.max_model_len - num_tokens - 1)
+
+    def _draft_rows(self, req_ids, rows: list[int], num_tokens_of: list[int], batch_size: int) -> dict:
+        """Row -> its draft (a tree the sizer chose; rows drafting nothing left out), every synced row's in one
+        ``Drafter.propose_batch`` call; where that raises, row by row, so a failure costs its request alone."""
+        budgets = {i: self._budget(max_depth, batch_size) for i in rows
+                   if (max_depth := self._max_depth(num_tokens_of[i])) > 0}
+        try:
+            drafts = self.drafter.propose_batch([req_ids[i] for i in budgets], list(budgets.values()))
+            return {i: draft for i, draft in zip(budgets, drafts) if draft.num_nodes}
+        except Exception:  # the failing request is found, and discarded, row by row below
+            pass
+        proposed = {}
+        for i in rows:
+            req_id = req_ids[i]
+            try:
+                draft = self._draft_row(req_id, num_tokens_of[i], batch_size)
+                if draft.num_nodes:
+                    proposed[i] = draft
+            except Exception as exc:  # as in the sync: this request drafts nothing this step, and restarts
+                self._error(f"request:{type(exc).__name__}", exc, req_id)
+                self.requests.discard(req_id)
+        return proposed
 
     def _draft_row(self, req_id: Hashable, num_tokens: int, batch_size: int) -> Draft:
         """A synced request's draft."""
