@@ -551,3 +551,35 @@ def test_serving_bench_refuses_suffix_without_arctic_inference(monkeypatch, caps
         bench.main(["--methods", "vanilla,suffix,freespec", "--out", str(tmp_path / "unused")])
     assert "suffix is vLLM's SuffixDecoding, which needs arctic-inference" in capsys.readouterr().err
     assert not (tmp_path / "unused").exists()
+
+
+# ---------------------------------------------------------------- which vLLM runs which path
+def test_each_release_gets_its_path():
+    from freespec.integrations.vllm import version
+
+    assert version.path_of("0.32.0") == version.path_of("0.33.1") == version.CUSTOM_CLASS
+    assert version.path_of("0.34.0") == version.path_of("0.34.2") == version.SPECULATOR
+    assert version.path_of("0.31.9") is None and version.path_of("0.35.0", environ={}) is None
+    assert version.path_of("0.35.0", environ={version.ENV_ALLOW_UNTESTED: "1"}) == version.SPECULATOR
+    assert version.check_vllm_version("0.34.0", environ={}, path=version.SPECULATOR) == "0.34.0"
+    with pytest.raises(version.IncompatibleVLLM, match="vllm 0.34: speculative_config=.*'freespec'"):
+        version.check_vllm_version("0.34.0", environ={})  # the custom_class proposer, on 0.34
+    with pytest.raises(version.IncompatibleVLLM, match="custom_class"):
+        version.check_vllm_version("0.33.0", environ={}, path=version.SPECULATOR)
+    from freespec.integrations import vllm as adapter
+
+    assert adapter.speculative_config(6, "0.34.0") == {"method": "freespec", "num_speculative_tokens": 6}
+    assert adapter.speculative_config(6, "0.33.2")["model"] == adapter.PROPOSER
+
+
+def test_the_plugin_registers_nothing_outside_the_speculators_range(monkeypatch):
+    from freespec.integrations.vllm import plugin, version
+
+    monkeypatch.setattr(version, "installed_version", lambda: "0.33.0")
+    assert plugin.register() is False  # and imports nothing of vLLM's speculator interface
+
+    def broken():
+        raise ImportError("no vllm here")
+
+    monkeypatch.setattr(version, "installed_version", broken)
+    assert plugin.register() is False  # never raises into vLLM's plugin loader

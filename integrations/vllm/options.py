@@ -18,7 +18,8 @@ the drafter and the option.
 
 Options fixed under vLLM (``VLLM_FIXED``): the mixture's ``recycle`` is False
 (token recycling reads the target's top-k at every verified node, and vLLM
-hands a ``custom_class`` proposer no logits), ``lookahead`` is False (its Jacobi
+hands a ``custom_class`` proposer no logits, a 0.34 speculator hidden states but
+no LM head), ``lookahead`` is False (its Jacobi
 window rides in the verify forward as not-candidate nodes, and vLLM verifies a
 plain chain) and so is ``early_exit`` (no way to run the target's layers). The
 mixture drafts from the lookup sources: the request's prompt and output,
@@ -47,7 +48,8 @@ ENV_STATS = "FREESPEC_VLLM_STATS"  # a file the proposer writes its counters to 
 EXTRA_KEYS = ("isolated",)
 VLLM_FIXED = {  # option -> (its value under vLLM, why)
     "recycle": (False, "token recycling reads the target's top-k at every verified node, and vLLM hands a "
-                       "custom_class proposer no logits"),
+                       "custom_class proposer no logits (0.32-0.33), a speculator hidden states but no LM head "
+                       "(0.34)"),
     "lookahead": (False, "the lookahead window rides in the verify forward as not-candidate nodes, and vLLM "
                          "verifies a plain chain"),
     "early_exit": (False, "vLLM hands a custom_class proposer no way to run the target's layers"),

@@ -1,4 +1,10 @@
-"""``Proposer``: a freespec drafter as vLLM's speculative proposer (``method: custom_class``).
+"""``Proposer``: a freespec drafter as vLLM's speculative proposer (``method: custom_class``, vLLM 0.32-0.33).
+
+``BatchDrafter`` is what it shares with vLLM 0.34's speculator (``speculator.py``):
+the options, the request state, hints, one step's drafts for the rows of a batch
+(``draft_rows``: sync every row, draft, cut the step together, chains), the
+engine's step times, errors contained, counters. ``Proposer`` adds the
+``custom_class`` glue below: finding the runner, its exits, its token arrays.
 
 vLLM builds ``Proposer(vllm_config)`` in its model runner, calls ``load_model``,
 then, each step after the forward, ``propose(sampled_token_ids,
@@ -79,13 +85,13 @@ LOG_EVERY = 2000  # steps between two "served" log lines
 _EMPTY = Draft.empty()
 
 
-class Proposer:
-    """``speculative_config={"method": "custom_class", "model": "freespec.integrations.vllm.Proposer",
-    "num_speculative_tokens": K}``; the drafter comes from ``FREESPEC_VLLM_DRAFTER`` /
+class BatchDrafter:
+    """A freespec drafter serving one vLLM model runner's steps, whichever path calls it (``Proposer`` on vLLM
+    0.32-0.33, ``speculator.FreespecSpeculator`` on 0.34): options, request state, hints, the step's drafts
+    (``draft_rows``), errors contained, counters. The drafter comes from ``FREESPEC_VLLM_DRAFTER`` /
     ``FREESPEC_VLLM_CONFIG`` (``options.py``, default: the mixture)."""
 
     def __init__(self, vllm_config, *, drafter=None) -> None:
-        check_vllm_version()
         spec = vllm_config.speculative_config
         model_config = vllm_config.model_config
         self.num_speculative_tokens = int(spec.num_speculative_tokens)
@@ -101,7 +107,6 @@ class Proposer:
             self.options = None
         drafter.warmup()
         self.requests = HostRequests(drafter, on_start=self._add_hints)
-        self._runner = None
         self._last_rows: tuple = ()  # (request ids, tokens fed per row) of the step being run
         self._step_began = None  # when the last propose returned: the engine's step runs from then
         self._scheduled_tokens = None  # the tokens vLLM scheduled for the step being run (None: not known)
@@ -126,68 +131,23 @@ class Proposer:
         """Requests whose drafter state is held."""
         return len(self.requests)
 
-    # ------------------------------------------------------------ vLLM's calls
-    def load_model(self, *args, **kwargs) -> None:
-        """Find the model runner that holds this proposer and follow its request exits."""
-        self.attach_runner(_find_holder(self))
-
-    def attach_runner(self, runner) -> None:
-        """Draft for ``runner``'s batch (``input_batch``, ``requests``) and release requests as it drops them.
-
-        Wraps ``_update_states`` on that runner instance once; attaching to the runner already followed is a no-op."""
-        if runner is self._runner:
-            return
-        self.detach_runner()
-        for attribute in ("input_batch", "requests", "_update_states"):
-            if not hasattr(runner, attribute):
-                raise RuntimeError(f"freespec: vLLM's model runner {type(runner).__name__} has no {attribute!r}; "
-                                   f"this vLLM is not one freespec supports")
-        self._runner = runner
-        update_states = runner._update_states
-
-        def _update_states(scheduler_output, *args, **kwargs):
-            result = update_states(scheduler_output, *args, **kwargs)
-            self._scheduled_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
-            self._release_exits(scheduler_output)
-            return result
-
-        runner._update_states = _update_states
-
-    def detach_runner(self) -> None:
-        """Undo ``attach_runner`` (tests)."""
-        if self._runner is not None:
-            vars(self._runner).pop("_update_states", None)
-        self._runner = None
-
-    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None,
-                **kwargs) -> list[list[int]]:
-        """One list of draft ids per row of vLLM's batch (empty: no draft for that row)."""
-        began = self.clock()
-        try:
-            drafts = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, began)
-        except Exception as exc:  # never the engine: this step goes without drafts
-            self._error("step", exc)
-            drafts = [[] for _ in sampled_token_ids]
-            self._last_rows = ()
-        self._step_began = self.clock()
-        return drafts
-
     # ------------------------------------------------------------ drafting
-    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, began: float) -> list[list[int]]:
-        batch = self._input_batch(token_ids_cpu)
-        self._report_forward(began)
-        req_ids = batch.req_ids
-        self.requests.release_absent(batch.req_id_to_index)
-        rows = [i for i, sampled in enumerate(sampled_token_ids) if sampled]  # none: a partial prefill
+    def draft_rows(self, req_ids, num_sampled: list[int], num_tokens_of: list[int], token_rows) -> list[list[int]]:
+        """One step's drafts, one list of ids per row (empty: none), both hosts' paths through it.
+
+        Row ``i`` holds request ``req_ids[i]``, which committed ``num_sampled[i]`` tokens this step (0: a partial
+        prefill, no draft) and now holds ``num_tokens_of[i]``; ``token_rows[i, start:stop]`` reads its tokens
+        (a numpy array; any ``start`` from ``num_tokens_of[i] - num_sampled[i] - TAIL_OVERLAP`` on, and ``0`` the
+        first time a request is seen). The caller has already released the requests that left."""
+        rows = [i for i, count in enumerate(num_sampled) if count]  # none: a partial prefill
         budget_rows = max(1, len(rows))
-        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        drafts: list[list[int]] = [[] for _ in num_sampled]
         fed_ids, fed_tokens = [], []
-        num_tokens_of = np.asarray(num_tokens_no_spec[:len(sampled_token_ids)]).tolist()
         synced = []  # every row's committed tokens first, then the drafts (as generate() does a step): each
         for i in rows:  # draft sees every outcome of the step, and the calibrator's estimates hold across rows
             req_id = req_ids[i]
             try:
-                self._sync_row(req_id, i, len(sampled_token_ids[i]), num_tokens_of[i], token_ids_cpu)
+                self._sync_row(req_id, i, num_sampled[i], num_tokens_of[i], token_rows)
                 synced.append(i)
             except Exception as exc:  # this request drafts nothing this step, and restarts at the next
                 self._error(f"request:{type(exc).__name__}", exc, req_id)
@@ -215,10 +175,10 @@ class Proposer:
                                         len(rows), packed=True)
         return {i: draft for i, draft in zip(rows, fitted) if draft.num_nodes}
 
-    def _sync_row(self, req_id: Hashable, row: int, num_sampled: int, num_tokens: int, token_ids_cpu) -> None:
+    def _sync_row(self, req_id: Hashable, row: int, num_sampled: int, num_tokens: int, token_rows) -> None:
         """The request's drafter state brought to the row's ``num_tokens`` committed tokens."""
-        tail = token_ids_cpu[row, max(0, num_tokens - num_sampled - TAIL_OVERLAP):num_tokens].tolist()
-        self.requests.sync(req_id, tail, num_tokens, lambda: token_ids_cpu[row, :num_tokens].copy())
+        tail = token_rows[row, max(0, num_tokens - num_sampled - TAIL_OVERLAP):num_tokens].tolist()
+        self.requests.sync(req_id, tail, num_tokens, lambda: token_rows[row, :num_tokens].copy())
 
     def _max_depth(self, num_tokens: int) -> int:
         """The longest chain vLLM takes after ``num_tokens`` committed tokens: K, never past ``max_model_len``."""
@@ -269,15 +229,6 @@ class Proposer:
                                                  packed=True)
         return budget
 
-    def _input_batch(self, token_ids_cpu):
-        if self._runner is None:  # load_model was not called (a vLLM that skips it): find the runner now
-            self.attach_runner(_find_holder(self))
-        batch = self._runner.input_batch
-        if batch.token_ids_cpu is not token_ids_cpu:
-            raise RuntimeError("the token_ids_cpu vLLM handed propose() is not its input batch's; rows cannot be "
-                               "matched to requests")
-        return batch
-
     def _report_forward(self, began: float) -> None:
         """The step since the last ``propose`` returned, with the tokens each row fed, to ``on_forward``; not a step
         that ran other tokens too (vLLM scheduled more or fewer than the rows fed: a prefill chunk, cut drafts)."""
@@ -290,18 +241,6 @@ class Proposer:
             self.drafter.on_forward(ForwardReport(request_ids, tokens_per_row, began - self._step_began, packed=True))
 
     # ------------------------------------------------------------ requests
-    def _release_exits(self, scheduler_output) -> None:
-        """After vLLM's ``_update_states``: release finished, aborted and preempted requests."""
-        try:
-            leaving = set(getattr(scheduler_output, "finished_req_ids", ()) or ())
-            leaving |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
-            gone = [r for r in self.requests.ids() if r in leaving or r not in self._runner.requests]
-            self.requests.release(gone)
-            if gone and self._stats_path:
-                self.write_stats(self._stats_path)
-        except Exception as exc:
-            self._error("release", exc)
-
     def stats(self) -> dict:
         """Serving counters: live requests, starts, restarts, steps (``mixed_steps``: those not reported to the
         drafter's cost model, as other tokens ran in them), drafted tokens, errors; the request
@@ -326,10 +265,8 @@ class Proposer:
 
     def _add_hints(self, req_id: Hashable) -> None:
         """A (re)started request's ``documents`` / ``prediction`` from its ``SamplingParams.extra_args``."""
-        state = self._runner.requests.get(req_id) if self._runner is not None else None
-        params = getattr(state, "sampling_params", None)
         try:
-            found = hints.parse(getattr(params, "extra_args", None))
+            found = hints.parse(self.extra_args_of(req_id))
             if found is None:
                 return
             if found.documents:
@@ -342,6 +279,10 @@ class Proposer:
         except Exception as exc:  # the request drafts without its hints
             self.num_hint_errors += 1
             self._error(f"hints:{type(exc).__name__}", exc, req_id)
+
+    def extra_args_of(self, req_id: Hashable):
+        """A request's ``SamplingParams.extra_args`` (None where not known), read when it starts."""
+        return None
 
     def _tokenizer_for(self, items):
         if not any(isinstance(item, str) for item in items):
@@ -373,6 +314,96 @@ class Proposer:
         self.num_drafted += num_drafted
         if self.num_steps % LOG_EVERY == 0:
             logger.info("freespec: %s", self.stats())
+
+
+class Proposer(BatchDrafter):
+    """``speculative_config={"method": "custom_class", "model": "freespec.integrations.vllm.Proposer",
+    "num_speculative_tokens": K}`` (vLLM 0.32-0.33); the drafter comes from ``FREESPEC_VLLM_DRAFTER`` /
+    ``FREESPEC_VLLM_CONFIG`` (``options.py``, default: the mixture)."""
+
+    def __init__(self, vllm_config, *, drafter=None) -> None:
+        check_vllm_version()
+        self._runner = None
+        super().__init__(vllm_config, drafter=drafter)
+
+    # ------------------------------------------------------------ vLLM's calls
+    def load_model(self, *args, **kwargs) -> None:
+        """Find the model runner that holds this proposer and follow its request exits."""
+        self.attach_runner(_find_holder(self))
+
+    def attach_runner(self, runner) -> None:
+        """Draft for ``runner``'s batch (``input_batch``, ``requests``) and release requests as it drops them.
+
+        Wraps ``_update_states`` on that runner instance once; attaching to the runner already followed is a no-op."""
+        if runner is self._runner:
+            return
+        self.detach_runner()
+        for attribute in ("input_batch", "requests", "_update_states"):
+            if not hasattr(runner, attribute):
+                raise RuntimeError(f"freespec: vLLM's model runner {type(runner).__name__} has no {attribute!r}; "
+                                   f"this vLLM is not one freespec supports")
+        self._runner = runner
+        update_states = runner._update_states
+
+        def _update_states(scheduler_output, *args, **kwargs):
+            result = update_states(scheduler_output, *args, **kwargs)
+            self._scheduled_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+            self._release_exits(scheduler_output)
+            return result
+
+        runner._update_states = _update_states
+
+    def detach_runner(self) -> None:
+        """Undo ``attach_runner`` (tests)."""
+        if self._runner is not None:
+            vars(self._runner).pop("_update_states", None)
+        self._runner = None
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None,
+                **kwargs) -> list[list[int]]:
+        """One list of draft ids per row of vLLM's batch (empty: no draft for that row)."""
+        began = self.clock()
+        try:
+            drafts = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, began)
+        except Exception as exc:  # never the engine: this step goes without drafts
+            self._error("step", exc)
+            drafts = [[] for _ in sampled_token_ids]
+            self._last_rows = ()
+        self._step_began = self.clock()
+        return drafts
+
+    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, began: float) -> list[list[int]]:
+        batch = self._input_batch(token_ids_cpu)
+        self._report_forward(began)
+        self.requests.release_absent(batch.req_id_to_index)
+        num_rows = len(sampled_token_ids)
+        return self.draft_rows(batch.req_ids, [len(sampled) for sampled in sampled_token_ids],
+                               np.asarray(num_tokens_no_spec[:num_rows]).tolist(), token_ids_cpu)
+
+    def _input_batch(self, token_ids_cpu):
+        if self._runner is None:  # load_model was not called (a vLLM that skips it): find the runner now
+            self.attach_runner(_find_holder(self))
+        batch = self._runner.input_batch
+        if batch.token_ids_cpu is not token_ids_cpu:
+            raise RuntimeError("the token_ids_cpu vLLM handed propose() is not its input batch's; rows cannot be "
+                               "matched to requests")
+        return batch
+
+    def _release_exits(self, scheduler_output) -> None:
+        """After vLLM's ``_update_states``: release finished, aborted and preempted requests."""
+        try:
+            leaving = set(getattr(scheduler_output, "finished_req_ids", ()) or ())
+            leaving |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+            gone = [r for r in self.requests.ids() if r in leaving or r not in self._runner.requests]
+            self.requests.release(gone)
+            if gone and self._stats_path:
+                self.write_stats(self._stats_path)
+        except Exception as exc:
+            self._error("release", exc)
+
+    def extra_args_of(self, req_id: Hashable):
+        state = self._runner.requests.get(req_id) if self._runner is not None else None
+        return getattr(getattr(state, "sampling_params", None), "extra_args", None)
 
 
 def _resident_mb() -> float | None:
