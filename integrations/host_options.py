@@ -125,6 +125,35 @@ def fix_options(name: str, drafter_options: dict, where: str, fixed: dict, host:
     return out
 
 
+def with_isolation(name: str, drafter_options: dict, isolated: bool, where: str) -> dict:
+    """``drafter_options`` with the drafter's ``isolation_options`` applied when ``isolated`` (no text of one
+    request reaches another's drafts); an option the file sets against them raises ``ValueError``."""
+    from freespec.drafters import drafter_class
+
+    if not isolated:
+        return dict(drafter_options)
+    out = dict(drafter_options)
+    for option, value in drafter_class(name).isolation_options.items():
+        if option in out and out[option] != value:
+            raise ValueError(f"{where}: 'isolated' is true, so drafter {name!r} option {option!r} must be "
+                             f"{value!r}, got {out[option]!r}")
+        out[option] = value
+    return out
+
+
+def with_defaults(name: str, drafter_options: dict, defaults: dict) -> dict:
+    """``drafter_options`` with a host's ``defaults`` filled in where the drafter takes them and the options do
+    not set them (``history_tokens`` stays out where the options pass a shared ``history``)."""
+    from freespec import drafters
+
+    parameters = inspect.signature(drafters.drafter_class(name).__init__).parameters
+    out = dict(drafter_options)
+    for option, value in defaults.items():
+        if option in parameters and not (option == "history_tokens" and "history" in out):
+            out.setdefault(option, value)
+    return out
+
+
 def build_drafter(name: str, drafter_options: dict, where: str, fixed: dict, host: str, no_model_why: str):
     """The drafter ``name`` with its options under ``host``; ``ValueError`` naming ``where``, the drafter and the option.
 

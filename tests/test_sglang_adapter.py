@@ -772,3 +772,123 @@ def test_missing_sglang_says_what_to_install(monkeypatch):
     monkeypatch.setenv("FREESPEC_SGLANG", "1")
     with pytest.raises(SystemExit, match=r"pip install freespec\[sglang\]"):
         register()
+
+
+# ------------------------------------------------- serving: errors, stats, hints, memory
+class FailingDrafter(RecordingDrafter):
+    """Raises in ``propose`` for requests named ``bad*`` (and in ``stop`` for ``stopfail*``)."""
+
+    name = "failing"
+
+    def _propose(self, request_id, budget):
+        if str(request_id).startswith("bad"):
+            raise RuntimeError(f"injected for {request_id}")
+        return super()._propose(request_id, budget)
+
+    def _on_stop(self, request_id):
+        super()._on_stop(request_id)
+        if str(request_id).startswith("stopfail"):
+            raise RuntimeError("stop failed")
+
+
+@pytest.fixture
+def failing(monkeypatch):
+    monkeypatch.setitem(drafters._REGISTRY, "failing", f"{__name__}:FailingDrafter")
+    return "failing"
+
+
+def test_drafter_errors_cost_only_that_requests_drafts(failing, caplog):
+    corpus = DraftServer(max_trie_depth=4, draft_token_num=6, drafter=failing)
+    with caplog.at_level(logging.ERROR, logger="freespec.integrations.sglang.draft_server"):
+        for step in range(3):
+            tokens, mask = corpus.batch_get(["ok", "bad1"], [[1, 2, 3 + step], [4, 5, 6 + step]], [3 + step] * 2)
+            ((_, _), (bad_tokens, bad_parents)) = check_sglang_tree(tokens, mask, [3 + step, 6 + step], 6)
+            assert bad_tokens == [] and bad_parents == []  # the failing request: root only
+    assert corpus.errors.count == 3 and corpus.num_live_requests == 1  # "bad1" is dropped each time it fails
+    assert sum("drafting failed" in r.message for r in caplog.records) == 1  # one log line per kind
+
+
+def test_a_failing_step_leaves_every_request_without_drafts(recording, monkeypatch):
+    corpus = DraftServer(max_trie_depth=4, draft_token_num=4, drafter=recording)
+    import freespec.integrations.sglang.draft_server as module
+
+    calls = []
+
+    def broken(drafts, *args, **kwargs):
+        calls.append(len(drafts))
+        if len(calls) == 1:
+            raise RuntimeError("tree rows failed")
+        return write_sglang_trees(drafts, *args, **kwargs)
+
+    monkeypatch.setattr(module, "write_sglang_trees", broken)
+    tokens, mask = corpus.batch_get(["a", "b"], [[1, 2], [3, 4]], [2, 2])
+    for real_tokens, _ in check_sglang_tree(tokens, mask, [2, 4], 4):
+        assert real_tokens == []
+    assert corpus.errors.count == 1
+
+
+def test_stop_errors_still_release(failing):
+    corpus = DraftServer(max_trie_depth=4, draft_token_num=4, drafter=failing)
+    corpus.batch_get(["stopfail1", "x"], [[1, 2], [3, 4]], [2, 2])
+    corpus.erase_match_state(["stopfail1"])
+    corpus.release_idle()
+    assert corpus.num_live_requests == 0
+
+
+def test_stats_file_follows_live_requests(recording, tmp_path, monkeypatch):
+    path = tmp_path / "stats.json"
+    monkeypatch.setenv(options.ENV_STATS, str(path))
+    corpus = DraftServer(max_trie_depth=4, draft_token_num=4, drafter=recording)
+    corpus.batch_get(["a", "b"], [[1, 2], [3, 4]], [2, 2])
+    corpus.erase_match_state(["a"])
+    assert json.loads(path.read_text())["live_requests"] == 1
+    corpus.release_idle()  # what the scheduler's idle hook calls once no request is left
+    stats = json.loads(path.read_text())
+    assert stats["live_requests"] == 0 and stats["steps"] == 1 and stats["errors"] == 0
+
+
+def test_hints_from_custom_params(monkeypatch):
+    corpus = DraftServer(max_trie_depth=4, draft_token_num=8, drafter="mixture")
+    prediction = [40, 41, 42, 43, 44, 45]
+    corpus.offer_contexts([("r", [5, 6, 7], [], None, {"prediction": prediction, "__req__": object()})])
+    tokens, mask = corpus.batch_get(["r"], [[5, 6, 7]], [3])
+    ((real_tokens, real_parents),) = check_sglang_tree(tokens, mask, [7], 8)
+    assert real_tokens[:6] == prediction and real_parents[:6] == [-1, 0, 1, 2, 3, 4]
+    # a malformed hint (SGLang refuses it at admission; here it slipped through) costs only the hint
+    corpus.offer_contexts([("s", [5, 6, 7], [], None, {"prediction": {"a": 1}})])
+    corpus.batch_get(["r", "s"], [[5, 6, 7], [5, 6, 7]], [3, 3])
+    assert corpus.num_hint_errors == 1 and corpus.num_live_requests == 2
+    # a text hint needs the model's tokenizer, which the worker hook names
+    corpus.offer_contexts([("t", [5, 6, 7], [], None, {"documents": ["some text"]})])
+    corpus.batch_get(["t"], [[5, 6, 7]], [3])
+    assert corpus.num_hint_errors == 2
+
+
+def test_history_by_default_and_isolated(tmp_path):
+    corpus = DraftServer(max_trie_depth=8, draft_token_num=8, drafter="mixture")
+    assert corpus.drafter.history is not None and corpus.drafter.history.max_tokens == options.SGLANG_DEFAULTS[
+        "history_tokens"]
+    # a request's output reaches the next request's drafts through the history
+    output = list(range(300, 330))
+    corpus.offer_contexts([("a", [1, 2, 3], output)])
+    corpus.batch_get(["a"], [([1, 2, 3] + output)[-8:]], [33])
+    corpus.release_idle()
+    corpus.offer_contexts([("b", [9, 9, 9] + output[:4], [])])
+    tokens, mask = corpus.batch_get(["b"], [[9, 9, 9] + output[:4]], [7])
+    ((real_tokens, _),) = check_sglang_tree(tokens, mask, [output[3]], 8)
+    assert real_tokens[0] == output[4] and set(output[4:7]) <= set(real_tokens)  # the history drafts them
+    isolated = DraftServer(drafter="mixture", isolated=True)
+    assert isolated.drafter.history is None
+    with pytest.raises(ValueError, match=r"'isolated' is true, so drafter 'mixture' option 'history_tokens' must be 0"):
+        DraftServer(drafter="mixture", drafter_options={"history_tokens": 64}, isolated=True)
+
+
+def test_isolated_from_the_config_file(tmp_path, monkeypatch):
+    config = tmp_path / "cfg.json"
+    config.write_text(json.dumps({"drafter": "mixture", "isolated": True}))
+    monkeypatch.setenv(options.ENV_CONFIG, str(config))
+    monkeypatch.delenv(options.ENV_DRAFTER, raising=False)
+    assert DraftServer().drafter.history is None
+    config.write_text(json.dumps({"isolated": "yes"}))
+    with pytest.raises(ValueError, match=r"'isolated' must be true or false, got 'yes'"):
+        options.check_config(config)

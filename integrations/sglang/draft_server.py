@@ -52,13 +52,16 @@ started and stopped in batch order, never in set or hash order).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
 from freespec.draft import Budget, Draft
 
+from .. import host_serving
 from ..host_requests import HostRequests
+from ..host_serving import ServingErrors
 from . import options as plugin_options
 from .external import ExternalCorpora
 from .tree_format import write_sglang_trees
@@ -100,8 +103,10 @@ class DraftServer:
     The constructor takes the same keywords as SGLang's; ``draft_token_num``
     (D) and ``max_trie_depth`` (how many tail tokens the worker sends) matter
     here, the trie's own knobs (BFS breadths, match type, capacity, external
-    SAM budget) do not. ``drafter`` / ``drafter_options`` default to the
-    plugin's configuration (``options.from_env``).
+    SAM budget) do not. ``drafter`` / ``drafter_options`` / ``isolated``
+    default to the plugin's configuration (``options.from_env``); unless
+    isolated, a drafter that can keep a history of earlier requests keeps one
+    (``options.SGLANG_DEFAULTS``).
     """
 
     def __init__(
@@ -117,6 +122,7 @@ class DraftServer:
         *,
         drafter: str | None = None,
         drafter_options: dict | None = None,
+        isolated: bool | None = None,
     ) -> None:
         if draft_token_num < 1:
             raise ValueError(f"draft_token_num must be >= 1, got {draft_token_num}")
@@ -127,6 +133,8 @@ class DraftServer:
             resolved = plugin_options.from_env()
             drafter, self._where = resolved.drafter, plugin_options.where()
             drafter_options = resolved.drafter_options if drafter_options is None else drafter_options
+            isolated = plugin_options.isolated_from_env() if isolated is None else isolated
+        self.isolated = bool(isolated)
         self.drafter_name = drafter
         self.drafter_options = dict(drafter_options or {})
         self.draft_token_num = int(draft_token_num)
@@ -137,15 +145,21 @@ class DraftServer:
         self.num_steps = self.num_rows = self.num_drafted = 0  # batch_get calls, requests, drafted nodes
         self._budget = Budget(self.draft_token_num - 1, self.draft_token_num - 1)
         self._offered: dict[Hashable, tuple] = {}  # req_id -> (host prompt, output, drafting prompt)
+        self._hints: dict[Hashable, dict] = {}  # req_id -> its custom_params (offered), read when it starts
         self._external = ExternalCorpora()
-        self._requests = HostRequests(self._build_drafter(), self._draftable)
+        self.errors = ServingErrors(logger)
+        self.num_hint_errors = 0
+        self._tokenizer_path: str | None = None
+        self._tokenizer = None
+        self._stats_path = os.environ.get(plugin_options.ENV_STATS) or None
+        self._requests = HostRequests(self._build_drafter(), self._draftable, on_start=self._add_hints)
         write_sglang_trees([_EMPTY], [0], self.draft_token_num)  # compile the kernel now, not at a decode step
         self.drafter.warmup()
-        logger.info("freespec: NGRAM drafts come from drafter %r %s (D=%d)", self.drafter_name,
-                    self.drafter_options, self.draft_token_num)
+        logger.info("freespec: NGRAM drafts come from drafter %r %s (D=%d%s)", self.drafter_name,
+                    self.drafter_options, self.draft_token_num, ", isolated" if self.isolated else "")
 
     def _build_drafter(self):
-        drafter = plugin_options.build_drafter(self.drafter_name, self.drafter_options, self._where)
+        drafter = plugin_options.build_drafter(self.drafter_name, self.drafter_options, self._where, self.isolated)
         self._external.attach(drafter)
         return drafter
 
@@ -154,6 +168,10 @@ class DraftServer:
         if not 1 <= int(vocab_size) < 2**31:
             raise ValueError(f"vocab_size must be in [1, 2**31), got {vocab_size!r}")
         self.vocab_size = self.token_bound = int(vocab_size)
+
+    def set_tokenizer_path(self, path: str | None) -> None:
+        """Where the model's tokenizer is: texts among a request's hints are tokenized with it (loaded on first use)."""
+        self._tokenizer_path = path
 
     @property
     def drafter(self):
@@ -164,7 +182,7 @@ class DraftServer:
     def drafter(self, drafter) -> None:
         if len(self._requests):
             raise ValueError(f"the drafter can be replaced only while no request is live ({len(self._requests)} are)")
-        self._requests = HostRequests(drafter, self._draftable)
+        self._requests = HostRequests(drafter, self._draftable, on_start=self._add_hints)
 
     @property
     def num_live_requests(self) -> int:
@@ -183,34 +201,60 @@ class DraftServer:
         batch_tokens: Sequence[Sequence[int]],
         total_lens: Sequence[int],
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Drafts for a batch: (token_ids [bs * D], mask [bs * D * D]), both int64."""
+        """Drafts for a batch: (token_ids [bs * D], mask [bs * D * D]), both int64.
+
+        Nothing raised by a drafter leaves this call: a request whose sync or
+        proposal fails gets no draft this step (its state is dropped; it restarts
+        at its next step), and a failure outside one request's drafting (the tree
+        rows) leaves every request of the step without a draft. SGLang then
+        verifies the root alone, which decodes one token as plain decoding does.
+        """
         if not len(req_ids) == len(batch_tokens) == len(total_lens):
             raise ValueError(f"batch_get got {len(req_ids)} req_ids, {len(batch_tokens)} token lists "
                              f"and {len(total_lens)} lengths")
-        self._external.poll()
-        self._requests.release_absent(req_ids)
-        drafts, root_ids = [], []
-        for req_id, tail, total_len in zip(req_ids, batch_tokens, total_lens):
-            tail = list(tail) if isinstance(tail, list) else np.asarray(tail).reshape(-1).tolist()
-            if not tail:  # nothing committed: nothing to draft from
-                drafts.append(_EMPTY)
-                root_ids.append(0)
-                continue
-            self._sync(req_id, tail, int(total_len))
-            drafts.append(self.drafter.propose(req_id, self._budget))
-            root_ids.append(tail[-1])
-        self._offered.clear()
-        num_nodes = np.zeros(len(drafts), np.int64)
-        out = write_sglang_trees(drafts, root_ids, self.draft_token_num, self.token_bound, num_nodes)
-        self._count(int(num_nodes.sum()), len(drafts))
+        root_ids = [0] * len(req_ids)
+        try:
+            self._external.poll()
+            if self._requests.release_absent(req_ids):
+                self._write_stats()
+            drafts = []
+            for row, (req_id, tail, total_len) in enumerate(zip(req_ids, batch_tokens, total_lens)):
+                tail = list(tail) if isinstance(tail, list) else np.asarray(tail).reshape(-1).tolist()
+                if tail:
+                    root_ids[row] = tail[-1]
+                drafts.append(self._draft(req_id, tail, int(total_len)))
+            self._offered.clear()
+            self._hints.clear()
+            num_nodes = np.zeros(len(drafts), np.int64)
+            out = write_sglang_trees(drafts, root_ids, self.draft_token_num, self.token_bound, num_nodes)
+        except Exception as exc:  # nothing of ours stops the scheduler: this step goes without drafts
+            self.errors.record(f"step:{type(exc).__name__}", exc)
+            num_nodes = np.zeros(len(req_ids), np.int64)
+            out = write_sglang_trees([_EMPTY] * len(req_ids), root_ids, self.draft_token_num, self.token_bound,
+                                     num_nodes)
+        self._count(int(num_nodes.sum()), len(req_ids))
         return out
 
+    def _draft(self, req_id: Hashable, tail: list, total_len: int) -> Draft:
+        """One request's draft this step; an empty one when it has no tokens or its drafting fails."""
+        if not tail:  # nothing committed: nothing to draft from
+            return _EMPTY
+        try:
+            self._sync(req_id, tail, total_len)
+            return self.drafter.propose(req_id, self._budget)
+        except Exception as exc:
+            self.errors.record(f"request:{type(exc).__name__}", exc, req_id)
+            self._requests.discard(req_id)
+            return _EMPTY
+
     def offer_contexts(self, requests: Iterable[tuple]) -> None:
-        """``(req_id, prompt_ids, output_ids[, drafting_prompt_ids])`` of the coming batch.
+        """``(req_id, prompt_ids, output_ids[, drafting_prompt_ids[, custom_params]])`` of the coming batch.
 
         ``prompt_ids`` are in the host's coordinates (what its lengths count);
         ``drafting_prompt_ids`` (default ``prompt_ids``) are what the drafter
-        reads: the unpadded prompt of a multimodal request. Only references are
+        reads: the unpadded prompt of a multimodal request; ``custom_params``
+        (SGLang's per-request dict) may hold the request's hints, ``documents``
+        and ``prediction`` (``host_serving.parse_hints``). Only references are
         kept (O(1) per request); they are read, and copied, only when a request
         starts or restarts in the next ``batch_get``.
         """
@@ -218,6 +262,8 @@ class DraftServer:
             req_id, prompt_ids, output_ids = request[:3]
             drafting = request[3] if len(request) > 3 and request[3] is not None else prompt_ids
             self._offered[req_id] = (prompt_ids, output_ids, drafting)
+            if len(request) > 4 and request[4]:
+                self._hints[req_id] = request[4]
 
     def batch_put(self, batch_tokens: Sequence[Sequence[int]]) -> None:
         """Accepted and ignored: these tails repeat what ``batch_get`` saw this step.
@@ -232,15 +278,44 @@ class DraftServer:
     def erase_match_state(self, req_ids: Iterable[Hashable]) -> None:
         """Requests that left the decode batch: ``drafter.stop`` them (a later return restarts)."""
         leaving = set(req_ids)
-        self._requests.release([r for r in self._requests.ids() if r in leaving])  # batch order, not set order
+        try:
+            self._requests.release([r for r in self._requests.ids() if r in leaving])  # batch order, not set order
+        except Exception as exc:
+            self.errors.record(f"release:{type(exc).__name__}", exc)
+            for req_id in [r for r in self._requests.ids() if r in leaving]:
+                self._requests.discard(req_id)
         for req_id in leaving:
             self._offered.pop(req_id, None)
+            self._hints.pop(req_id, None)
+        self._write_stats()
+
+    def release_idle(self) -> None:
+        """The engine has no request left (its idle hook): release every request still held.
+
+        SGLang's NGRAM worker erases the requests that leave a decode batch at
+        the next verify step, so the last batch before the engine goes idle would
+        stay held (and out of the drafter's history) until the next request.
+        """
+        if not len(self._requests):
+            return
+        try:
+            self._requests.release_all()
+        except Exception as exc:
+            self.errors.record(f"release:{type(exc).__name__}", exc)
+            for req_id in list(self._requests.ids()):
+                self._requests.discard(req_id)
+        self._offered.clear()
+        self._hints.clear()
+        self._write_stats()
 
     def reset(self) -> None:
         """Forget every request and what the drafter learned; external corpora stay (as in SGLang)."""
-        self._requests.release_all()
+        for req_id in list(self._requests.ids()):
+            self._requests.discard(req_id)
         self._offered.clear()
+        self._hints.clear()
         self.drafter = self._build_drafter()
+        self._write_stats()
 
     # ------------------------------------------------------ external corpora
     @property
@@ -266,6 +341,52 @@ class DraftServer:
         return self._external.token_counts()
 
     # --------------------------------------------------------------- helpers
+    def stats(self) -> dict:
+        """Serving counters: live requests, starts, restarts, decode steps, requests drafted for, drafted
+        nodes, contained errors (hint errors among them), the request history's size (None without one) and
+        this process's resident MB."""
+        history = getattr(self.drafter, "history", None)
+        return {"live_requests": len(self._requests), "starts": self._requests.num_starts,
+                "restarts": self.num_restarts, "steps": self.num_steps, "rows": self.num_rows,
+                "drafted_tokens": self.num_drafted, "errors": self.errors.count, "hint_errors": self.num_hint_errors,
+                "history_tokens": None if history is None else history.num_tokens,
+                "history_bytes": None if history is None else history.nbytes,
+                "process_rss_mb": host_serving.resident_mb()}
+
+    def _write_stats(self) -> None:
+        """``stats()`` to the file ``FREESPEC_SGLANG_STATS`` names, if any (after requests leave)."""
+        if self._stats_path:
+            try:
+                host_serving.write_stats(self._stats_path, self.stats())
+            except OSError as exc:
+                self.errors.record("stats", exc)
+
+    def _add_hints(self, req_id: Hashable) -> None:
+        """A (re)started request's ``documents`` / ``prediction`` from its ``custom_params``; a malformed
+        hint (SGLang refuses it when the request arrives) or a failure costs the request its hints only."""
+        values = self._hints.get(req_id)
+        if not values:
+            return
+        try:
+            found = host_serving.parse_hints(values, "custom_params")
+            if found is not None:
+                host_serving.add_hints(self.drafter, req_id, found, self._tokenizer_for)
+        except Exception as exc:  # the request drafts without its hints
+            self.num_hint_errors += 1
+            self.errors.record(f"hints:{type(exc).__name__}", exc, req_id)
+
+    def _tokenizer_for(self, items):
+        if not any(isinstance(item, str) for item in items):
+            return None
+        if self._tokenizer is None:
+            if self._tokenizer_path is None:
+                raise ValueError("a text hint needs the model's tokenizer, and SGLang's worker did not say where "
+                                 "it is; pass token ids")
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
+        return self._tokenizer
+
     def _count(self, num_drafted: int, num_rows: int) -> None:
         """Serving statistics, and the log lines that show drafts are served (``gpu_check.sh`` reads them)."""
         first = self.num_drafted == 0 and num_drafted > 0

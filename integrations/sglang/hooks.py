@@ -8,7 +8,9 @@ registers with ``sglang.srt.plugins.hook_registry.HookRegistry``:
 | ``ServerArgs.add_cli_args`` | AFTER | adds ``--freespec-drafter`` and ``--freespec-config`` |
 | ``ServerArgs.from_cli_args`` | AROUND | checks them, exports them to env vars, drops them (ServerArgs has no such fields) |
 | ``ngram_worker.NgramCorpus`` | REPLACE | the NGRAM worker builds ``DraftServer`` instead |
-| ``NGRAMWorker._prepare_draft_tokens`` | BEFORE | hands the corpus each request's full prompt (unpadded too) + output (read only when a request starts), and the vocabulary size |
+| ``NGRAMWorker._prepare_draft_tokens`` | BEFORE | hands the corpus each request's full prompt (unpadded too) + output and hints (read only when a request starts), the vocabulary size and the tokenizer's path |
+| ``Scheduler.on_idle`` | AFTER | once no request is left, releases what the corpus still holds (the worker erases a batch's requests only at the next verify step) |
+| ``SamplingParams.verify`` | AFTER | refuses a request whose ``custom_params`` hints are malformed, with a message naming the key (the engine serves on) |
 
 SGLang applies registered hooks right after running the plugins
 (``load_plugins``). ``uninstall()`` puts the originals back (for tests).
@@ -24,6 +26,7 @@ import pkgutil
 import sys
 
 from ..host_options import parse_version
+from ..host_serving import parse_hints
 from . import options as plugin_options
 from .draft_server import DraftServer
 
@@ -39,7 +42,11 @@ ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
 NGRAM_CORPUS = "sglang.srt.speculative.ngram_worker.NgramCorpus"
 PREPARE_DRAFT_TOKENS = "sglang.srt.speculative.ngram_worker.NGRAMWorker._prepare_draft_tokens"
-TARGETS = (ADD_CLI_ARGS, FROM_CLI_ARGS, NGRAM_CORPUS, PREPARE_DRAFT_TOKENS)
+ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
+VERIFY_SAMPLING = "sglang.srt.sampling.sampling_params.SamplingParams.verify"
+TARGETS = (ADD_CLI_ARGS, FROM_CLI_ARGS, NGRAM_CORPUS, PREPARE_DRAFT_TOKENS, VERIFY_SAMPLING)
+# patched where the release has them: without on_idle, the last batch's requests are released at the next one
+OPTIONAL_TARGETS = (ON_IDLE,)
 # what NGRAMWorker calls on its corpus; each must exist on SGLang's class (else SGLang changed)
 CORPUS_METHODS = ("batch_put", "synchronize", "reset", "batch_get", "erase_match_state",
                   "load_external_corpus_named", "commit_external_corpus_load", "remove_external_corpus",
@@ -109,6 +116,12 @@ def check() -> dict[str, tuple[object, str, object]]:
     check_version(getattr(sglang, "__version__", "0"))
     resolved = {target: resolve_target(target) for target in TARGETS}
     check_corpus_interface(resolved[NGRAM_CORPUS][2])
+    for target in OPTIONAL_TARGETS:
+        try:
+            resolved[target] = resolve_target(target)
+        except IncompatibleSGLang as exc:
+            logger.warning("freespec: %s; requests left when the engine goes idle are released at its next batch",
+                           exc)
     return resolved
 
 
@@ -149,12 +162,22 @@ def _vocab_size(worker) -> int | None:
     return size if isinstance(size, int) and size > 0 else None
 
 
+def _tokenizer_path(worker) -> str | None:
+    """Where the target's tokenizer is (the server's ``tokenizer_path``, else the model's path)."""
+    server_args = getattr(worker, "server_args", None)
+    model_config = getattr(getattr(worker, "model_runner", None), "model_config", None)
+    path = getattr(server_args, "tokenizer_path", None) or getattr(model_config, "model_path", None)
+    return path if isinstance(path, str) else None
+
+
 def _offers(reqs):
-    """(rid, prompt in the worker's coordinates, output, unpadded prompt) per request."""
+    """(rid, prompt in the worker's coordinates, output, unpadded prompt, custom_params) per request."""
     for req in reqs:
         unpadded = getattr(req, "origin_input_ids_unpadded", None)
         unpadded = req.origin_input_ids if unpadded is None else unpadded
-        yield req.rid, unpadded if _worker_reads_unpadded else req.origin_input_ids, req.output_ids, unpadded
+        custom_params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+        yield (req.rid, unpadded if _worker_reads_unpadded else req.origin_input_ids, req.output_ids, unpadded,
+               custom_params if isinstance(custom_params, dict) else None)
 
 
 def prepare_draft_tokens_before(worker, batch, *args, **kwargs):
@@ -163,8 +186,23 @@ def prepare_draft_tokens_before(worker, batch, *args, **kwargs):
     if isinstance(corpus, DraftServer):
         if corpus.vocab_size is None and _vocab_size(worker) is not None:
             corpus.set_vocab_size(_vocab_size(worker))
+            corpus.set_tokenizer_path(_tokenizer_path(worker))
         corpus.offer_contexts(_offers(batch.reqs))
     return None
+
+
+def on_idle_after(result, scheduler, *args, **kwargs):
+    """AFTER ``Scheduler.on_idle()``: once no request runs or waits, the corpus releases what it holds."""
+    corpus = getattr(getattr(scheduler, "draft_worker", None), "ngram_corpus", None)
+    if isinstance(corpus, DraftServer) and corpus.num_live_requests and scheduler.is_fully_idle():
+        corpus.release_idle()
+    return result
+
+
+def verify_sampling_after(result, sampling_params, *args, **kwargs):
+    """AFTER ``SamplingParams.verify()``: a malformed hint fails its request with a ``ValueError`` naming it."""
+    parse_hints(getattr(sampling_params, "custom_params", None), "sampling_params.custom_params")
+    return result
 
 
 # ------------------------------------------------------------- install/undo
@@ -183,6 +221,9 @@ def install() -> None:
     HookRegistry.register(FROM_CLI_ARGS, from_cli_args_around, HookType.AROUND)
     HookRegistry.register(NGRAM_CORPUS, DraftServer, HookType.REPLACE)
     HookRegistry.register(PREPARE_DRAFT_TOKENS, prepare_draft_tokens_before, HookType.BEFORE)
+    if ON_IDLE in resolved:
+        HookRegistry.register(ON_IDLE, on_idle_after, HookType.AFTER)
+    HookRegistry.register(VERIFY_SAMPLING, verify_sampling_after, HookType.AFTER)
     _originals.update(resolved)
     logger.info("freespec: SGLang hooks registered (%s)", ", ".join(TARGETS))
 
@@ -204,7 +245,8 @@ def uninstall() -> None:
     _worker_reads_unpadded = False
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    ours = {add_cli_args_after, from_cli_args_around, DraftServer, prepare_draft_tokens_before}
+    ours = {add_cli_args_after, from_cli_args_around, DraftServer, prepare_draft_tokens_before, on_idle_after,
+            verify_sampling_after}
     for target, (owner, attribute, raw) in _originals.items():
         HookRegistry._hooks[target] = [h for h in HookRegistry._hooks.get(target, []) if h[1] not in ours]
         if not HookRegistry._hooks[target]:
