@@ -369,8 +369,7 @@ class SpeculativeDecoder:
             while active:
                 t_step, forward_before = time.perf_counter(), self.stats.forward_s
                 self._follow_model_cache_policy(active, cache, layout)
-                drafts = [self._timed_draft(self._propose, row, len(active), cache, layout, r)
-                          for r, row in enumerate(active)]
+                drafts = self._timed_draft(self._propose, active, cache, layout)
                 if len(active) > 1:  # one padded forward: every row pays the widest row's width
                     drafts = self._timed_draft(self._fit_batch, active, drafts)
                 steps = [RowStep(row.pending, row.pending_positions, draft) for row, draft in zip(active, drafts)]
@@ -464,18 +463,33 @@ class SpeculativeDecoder:
             row.pending = list(row.sequence)
             row.pending_positions = np.arange(len(row.sequence), dtype=np.int64)
 
-    def _propose(self, row: Row, batch_size: int, cache, layout: KVLayout, r: int) -> Draft:
+    def _propose(self, active: list[Row], cache, layout: KVLayout) -> list[Draft]:
+        """Every row's draft, checked: one ``Drafter.propose_batch`` call; a drafter that needs the model gets each
+        row's verified cache before that row's ``propose``."""
+        budgets = [self._budget(row, len(active)) for row in active]
+        if self.drafter.needs_model:
+            drafts = []
+            for r, (row, budget) in enumerate(zip(active, budgets)):
+                if budget.max_depth == 0:
+                    drafts.append(Draft.empty())
+                    continue
+                self.drafter.on_verified_cache(row.request_id, *layout.row_view(cache, r, row.num_pads))
+                drafts.append(self.drafter.propose(row.request_id, budget))
+        else:
+            drafts = self.drafter.propose_batch([row.request_id for row in active], budgets)
+        return [self._checked(draft, budget) for draft, budget in zip(drafts, budgets)]
+
+    def _budget(self, row: Row, batch_size: int) -> Budget:
         budget = self.config.step_budget(row.max_length - len(row.sequence))
         depth_limit = self.traits.draft_depth_limit(row.num_committed)
         if depth_limit is not None and depth_limit < budget.max_depth:
             budget = Budget(budget.num_nodes, depth_limit)
         if batch_size != 1 or self.traits.chains_only:
             budget = Budget(budget.num_nodes, budget.max_depth, batch_size, self.traits.chains_only)
-        if budget.max_depth == 0:
-            return Draft.empty()
-        if self.drafter.needs_model:  # row r's verified text: its slots after the left pads
-            self.drafter.on_verified_cache(row.request_id, *layout.row_view(cache, r, row.num_pads))
-        draft = self.drafter.propose(row.request_id, budget)
+        return budget
+
+    def _checked(self, draft: Draft, budget: Budget) -> Draft:
+        """A row's draft checked against its budget and the vocabulary; its best chain where the model takes chains."""
         if not draft.num_nodes:
             return draft
         draft.validate(budget)

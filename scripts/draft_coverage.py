@@ -135,11 +135,11 @@ def coverage(steps: list[dict], finals: dict) -> dict:
 
 
 def _instrument(steps: list[dict], finals: dict):
-    """Wrap the sizer's ``select_nodes`` (``select`` calls it), the mixture's ``_propose`` and ``Drafter.stop``;
-    returns the undo."""
+    """Wrap the sizer's ``select_nodes`` (``select`` calls it), the mixture's ``_sized`` (each request's draft of a
+    step, however the host asks: ``propose`` or ``propose_batch``) and ``Drafter.stop``; returns the undo."""
     from freespec.drafters import base, calibration, mixture
 
-    select, propose, stop = calibration.DraftSizer.select_nodes, mixture.MixtureDrafter._propose, base.Drafter.stop
+    select, sized, stop = calibration.DraftSizer.select_nodes, mixture.MixtureDrafter._sized, base.Drafter.stop
     contexts: dict = {}
 
     def recording_select(self, request_id, draft, kinds, budget, extras=((0, 0.0),)):
@@ -152,10 +152,10 @@ def _instrument(steps: list[dict], finals: dict):
                           "kept": (kept.token_ids.copy(), kept.parents.copy())})
         return kept, nodes, option
 
-    def recording_propose(self, request_id, budget):
+    def recording_sized(self, request_id, budget, *args):
         contexts[request_id] = int(self.context(request_id).shape[0])
         count = len(steps)
-        fed = propose(self, request_id, budget)
+        fed = sized(self, request_id, budget, *args)
         if len(steps) > count:
             steps[-1]["fed"] = (fed.token_ids.copy(), fed.parents.copy(), fed.candidate_mask().copy())
         return fed
@@ -166,11 +166,11 @@ def _instrument(steps: list[dict], finals: dict):
         return stop(self, request_id)
 
     calibration.DraftSizer.select_nodes = recording_select
-    mixture.MixtureDrafter._propose = recording_propose
+    mixture.MixtureDrafter._sized = recording_sized
     base.Drafter.stop = recording_stop
 
     def undo() -> None:
-        calibration.DraftSizer.select_nodes, mixture.MixtureDrafter._propose, base.Drafter.stop = select, propose, stop
+        calibration.DraftSizer.select_nodes, mixture.MixtureDrafter._sized, base.Drafter.stop = select, sized, stop
 
     return undo
 

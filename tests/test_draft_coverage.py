@@ -60,7 +60,7 @@ def test_ngram_counts_back_off_to_shorter_contexts():
 def test_runs_the_bench_writes_coverage_and_unwraps(tmp_path, tiny_model):  # noqa: F811
     from freespec.drafters import base, calibration, mixture
 
-    wrapped = (calibration.DraftSizer.select_nodes, mixture.MixtureDrafter._propose, base.Drafter.stop)
+    wrapped = (calibration.DraftSizer.select_nodes, mixture.MixtureDrafter._sized, base.Drafter.stop)
     out = tmp_path / "run"
     code = draft_coverage.main(["bench", "--model", "tiny", "--dataset", str(_dataset(tmp_path)), "--methods",
                                 "freespec", "--max-new-tokens", "12", "--threads", "1", "--no-cost-probe",
@@ -69,4 +69,4 @@ def test_runs_the_bench_writes_coverage_and_unwraps(tmp_path, tiny_model):  # no
     result = json.loads((out / "coverage.json").read_text())
     assert result["steps"] > 0 and 0 <= result["next_token"]["kept"] <= result["next_token"]["pool"] <= 1
     assert result["matched"]["kept"] <= result["matched"]["pool"]
-    assert (calibration.DraftSizer.select_nodes, mixture.MixtureDrafter._propose, base.Drafter.stop) == wrapped
+    assert (calibration.DraftSizer.select_nodes, mixture.MixtureDrafter._sized, base.Drafter.stop) == wrapped
