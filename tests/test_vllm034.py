@@ -40,7 +40,8 @@ from vllm.v1.worker.gpu.spec_decode import init_speculator  # noqa: E402
 from vllm.v1.worker.gpu.spec_decode.speculator_config import get_custom_speculator_config_class  # noqa: E402
 
 from freespec.drafters import make  # noqa: E402
-from freespec.integrations.vllm import admission, options, plugin, proposer as proposer_module  # noqa: E402
+import freespec_vllm_plugin as plugin  # noqa: E402
+from freespec.integrations.vllm import admission, options, proposer as proposer_module  # noqa: E402
 from freespec.integrations.vllm.speculator import FreespecSpeculator  # noqa: E402
 from freespec.integrations.vllm.speculator_config import FreespecSpeculatorConfig  # noqa: E402
 from test_vllm_adapter import FakeBatch, FakeRunner, Recording  # noqa: E402
@@ -313,3 +314,15 @@ def test_pinned_staging_buffers_are_kept_across_steps_and_grown(monkeypatch):
     assert first.data_ptr() == again.data_ptr() and speculator._to_host_buffer.numel() == 8
     assert speculator._staging("_to_host_buffer", 9, torch.int32).numel() == 9
     assert speculator._to_host_buffer.numel() == 16
+
+
+def test_registering_imports_nothing_of_freespec():
+    """vLLM loads general plugins in a worker before its CPU platform's kernel scan, which numba's objects fail:
+    registering loads vLLM's config module, and neither freespec nor numba."""
+    import subprocess
+    import sys
+
+    code = ("import sys, freespec_vllm_plugin; assert freespec_vllm_plugin.register(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('freespec', 'numba')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]", out

@@ -5,6 +5,8 @@ runs the same proposer inside a real engine."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -573,13 +575,22 @@ def test_each_release_gets_its_path():
 
 
 def test_the_plugin_registers_nothing_outside_the_speculators_range(monkeypatch):
-    from freespec.integrations.vllm import plugin, version
+    import freespec_vllm_plugin as plugin
+    from freespec.integrations.vllm import version
 
-    monkeypatch.setattr(version, "installed_version", lambda: "0.33.0")
+    assert plugin.RANGE == version.RANGES[version.SPECULATOR] and plugin.ENV_ALLOW_UNTESTED == version.ENV_ALLOW_UNTESTED
+    for found in ("0.31.0", "0.32.0", "0.33.1", "0.34.0", "0.34.1rc1+cu130", "0.35.0"):
+        assert plugin.runs_speculator(found, environ={}) == (version.path_of(found, environ={}) == version.SPECULATOR)
+    assert plugin.runs_speculator("0.35.0", environ={version.ENV_ALLOW_UNTESTED: "1"})
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(__version__="0.33.0"))
     assert plugin.register() is False  # and imports nothing of vLLM's speculator interface
-
-    def broken():
-        raise ImportError("no vllm here")
-
-    monkeypatch.setattr(version, "installed_version", broken)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # no vLLM: an ImportError
     assert plugin.register() is False  # never raises into vLLM's plugin loader
+
+
+def test_the_plugin_imports_nothing_of_freespec():
+    """vLLM loads it in a worker before its CPU platform's kernel scan, which numba's objects fail."""
+    code = ("import sys, freespec_vllm_plugin; freespec_vllm_plugin.register(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('freespec', 'numba', 'torch')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

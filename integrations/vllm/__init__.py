@@ -1,7 +1,7 @@
 """vLLM adapter: freespec drafters serve vLLM's speculative decoding, on the path each vLLM release has.
 
 vLLM 0.34 (a speculator of the V2 model runner, ``method: freespec``, registered by the
-``vllm.general_plugins`` entry point ``plugin.register``)::
+``vllm.general_plugins`` entry point ``freespec_vllm_plugin.register``)::
 
     llm = LLM(model=MODEL, speculative_config={"method": "freespec", "num_speculative_tokens": 8})
     vllm serve MODEL --speculative-config '{"method": "freespec", "num_speculative_tokens": 8}'
@@ -15,7 +15,7 @@ Either way: ``llm.generate(prompt, SamplingParams(max_tokens=256, extra_args={"d
 "prediction": old_code}))``. vLLM's engine verifies every draft (its rejection sampler), so output stays
 vLLM's. The files: ``proposer.py`` (``BatchDrafter``, what both paths share: request state, hints, the step's
 drafts, errors contained; and ``Proposer``, the ``custom_class`` glue), ``speculator.py`` /
-``speculator_config.py`` / ``plugin.py`` (the 0.34 speculator, its config, its registration), ``options.py``
+``speculator_config.py`` (the 0.34 speculator and its config; the top-level ``freespec_vllm_plugin`` registers it), ``options.py``
 (``FREESPEC_VLLM_DRAFTER`` / ``FREESPEC_VLLM_CONFIG``), ``hints.py`` (``documents`` / ``prediction`` in
 ``SamplingParams.extra_args``), ``admission.py`` (vLLM checks those hints when it admits a request; under 0.34
 it also hands them to the speculator), ``version.py`` (which release runs which path), ``bench.py``
@@ -27,7 +27,7 @@ loads the plugin or builds the proposer.
 from __future__ import annotations
 
 PROPOSER = "freespec.integrations.vllm.Proposer"  # speculative_config["model"] under 0.32-0.33
-METHOD = "freespec"  # speculative_config["method"] under 0.34 (plugin.METHOD)
+METHOD = "freespec"  # speculative_config["method"] under 0.34 (freespec_vllm_plugin.METHOD)
 
 
 def __getattr__(name):

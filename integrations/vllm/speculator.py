@@ -1,7 +1,7 @@
 """``FreespecSpeculator``: a freespec drafter as a speculator of vLLM 0.34's V2 model runner (``method: freespec``).
 
 vLLM (``vllm/v1/worker/gpu/model_runner.py``) builds ``FreespecSpeculator(vllm_config, device,
-req_states=...)`` (``plugin.py`` registered the method) and, each step:
+req_states=...)`` (``freespec_vllm_plugin`` registered the method) and, each step:
 
 1. ``finish_requests``: ``on_requests_finished(finished_req_ids)`` (not preempted ones), while the
    requests' slots still hold their tokens; then it frees the slots of finished *and* preempted requests;

@@ -8,7 +8,7 @@
   token_ids_cpu, slot_mappings=...)`` with its ``input_batch``'s arrays;
   ``_update_states`` applies each ``SchedulerOutput``'s finished and preempted
   requests.
-- **0.34: the registered speculator** (``plugin.py``, ``speculator.py``).
+- **0.34: the registered speculator** (``freespec_vllm_plugin``, ``speculator.py``).
   ``custom_class`` is gone; a ``vllm.general_plugins`` entry point registers
   ``method: freespec`` with ``register_speculative_method``, and the V2 model
   runner (``vllm/v1/worker/gpu/model_runner.py``) builds
