@@ -156,7 +156,9 @@ def run_phases(engine: Engine, workloads: dict, max_tokens: dict, tokenizer) -> 
                 asked = _ask_in_chunks(engine, requests, concurrency, max_tokens[workload])
             seconds = time.perf_counter() - begin
             after = engine.counters()
-            result[f"{workload}@{concurrency}"] = phase_result(*asked, seconds, concurrency, before, after)
+            key = f"{workload}@{concurrency}"
+            result[key] = phase_result(*asked, seconds, concurrency, before, after)
+            print(f"serving bench: {key}: {result[key]['tokens']} tokens in {seconds:.1f} s", flush=True)
     return result
 
 
