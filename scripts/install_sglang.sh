@@ -7,7 +7,10 @@
 # tokenizers 0.22.2, numba 0.65.1, torch 2.13.0, ...) and its pure-Python dependencies come from PyPI.
 # Only the CUDA-only packages it requires (sglang-kernel, flashinfer, torchvision, ...) are replaced,
 # by empty stand-in wheels (scripts/sglang_stubs.py); the modules the tests import from them are the
-# import-only stubs in tests/sglang_stubs. Reused while nothing it is built from changed.
+# stand-ins in tests/sglang_stubs. Reused while nothing it is built from changed.
+#
+# It also installs the tests' own SGLang plugin, tests/sglang_cpu (test support, never part of freespec),
+# which with tests/sglang_stubs lets a real SGLang engine verify NGRAM drafts on a CPU (see its README).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SGLANG_VERSION=0.5.21
@@ -23,4 +26,6 @@ if [ "$(cat "$venv/.freespec-stamp")" != "$built" ]; then
   PYTHONPATH="$PWD/tests/sglang_stubs" "$venv/bin/python" -W ignore -c \
     "import sglang.srt.plugins.hook_registry, sglang.srt.server_args, sglang.srt.speculative.ngram_worker"
 fi
+# the CPU test support (an editable install: a plugin entry point, no dependencies), also into a reused venv
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e tests/sglang_cpu
 echo "install_sglang: sglang $SGLANG_VERSION in $venv"

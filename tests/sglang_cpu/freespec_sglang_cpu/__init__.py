@@ -52,6 +52,7 @@ def engine_env(environ=None) -> dict:
     """The environment an SGLang engine needs on this CPU: SGLang's CPU engine, the stand-ins, this plugin."""
     env = dict(os.environ if environ is None else environ)
     env["SGLANG_USE_CPU_ENGINE"] = "1"  # else SGLang's is_cpu() is false without a CPU kernel build
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # no busy-waiting OpenMP threads beside other processes
     env[ENV_ENABLE] = "1"
     paths = [str(STUBS)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(STUBS)]
     env["PYTHONPATH"] = os.pathsep.join(paths)
