@@ -37,7 +37,6 @@ from . import options as plugin_options
 METHODS = ("plain", "ngram-default", "ngram", "freespec")
 TAKES_D = ("ngram", "freespec")  # the others run once, at SGLang's own setting
 REPOSITORY = Path(__file__).resolve().parents[2]
-ENV_STATS = "FREESPEC_SGLANG_STATS"  # a file the plugin writes its counters to as requests leave
 
 
 def device_environment(device: str, method: str, drafter: str, config: str | None, environ=os.environ) -> dict:
@@ -129,7 +128,8 @@ def soak(args, model_dir: str, out: Path) -> dict:
     settings = engine_settings(args.device, args.dtype, method, args.soak_d if method in TAKES_D else None,
                                args.max_total_tokens)
     drafter = args.drafter if method == "freespec" else None
-    env = {**device_environment(args.device, method, args.drafter, args.freespec_config), ENV_STATS: str(stats_path)}
+    env = {**device_environment(args.device, method, args.drafter, args.freespec_config),
+           plugin_options.ENV_STATS: str(stats_path)}
     server = serving_bench.serve(lambda port: server_command(model_dir, port, settings, drafter), env, log_path,
                                  900.0, "SGLang")
     ours = method == "freespec"
