@@ -134,7 +134,7 @@ class V2Runner:
         values = {field.name: None for field in dataclasses.fields(InputBatch)}
         values.update(req_ids=list(rows), num_reqs=len(rows), num_reqs_after_padding=len(rows),
                       idx_mapping=torch.tensor(slots, dtype=torch.int64), idx_mapping_np=np.array(slots),
-                      num_scheduled_tokens=scheduled, num_tokens=int(scheduled.sum()),
+                      num_scheduled_tokens=scheduled, num_tokens=int(scheduled.sum()), has_prefill=bool(new),
                       num_computed_tokens_np=np.array([self.computed[r] for r in rows], dtype=np.int32))
         batch = InputBatch(**values)
         tokens = [sampled.get(r, []) for r in rows]
@@ -326,3 +326,23 @@ def test_registering_imports_nothing_of_freespec():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('freespec', 'numba')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]", out
+
+
+def test_the_forward_is_reported_with_the_tokens_vllm_scheduled(monkeypatch):
+    """Every row fed what vLLM scheduled for it (1 + K: the padding is verified too); a step with a prefill in
+    it is not reported (other tokens ran)."""
+
+    class Timed(Recording):
+        def on_forward(self, report):
+            self.events.append(("forward", report.request_ids, report.tokens_per_row, round(report.forward_s, 6)))
+
+    drafter = Timed()
+    v2 = V2Runner(monkeypatch, drafter)
+    v2.speculator.core.clock = itertools.count(0, 0.5).__next__
+    v2.step(["a"], {"a": [3]}, new={"a": ([1, 2, 3], None)})
+    v2.fed["a"] = 1 + K  # the scheduler verifies every slot
+    v2.step(["a"], {"a": [4, 5]})
+    v2.step(["a", "b"], {"a": [6], "b": [9]}, new={"b": ([7, 8, 9], None)})
+    forwards = [event for event in drafter.events if event[0] == "forward"]
+    assert forwards == [("forward", ("a",), (1 + K,), 0.5)]
+    assert v2.speculator.core.num_mixed_steps == 1

@@ -29,7 +29,9 @@ proposer runs too, and so ``host_requests.HostRequests``):
   ``enable_adaptive_verification`` the padding gets confidence 0 and real drafts 1
   (``draft_token_confidence_probs``), so vLLM trims the padding first;
 - **the forward's time** goes to the drafter's cost model as under 0.32-0.33 (the time between two
-  ``propose`` calls, the rows' fed tokens; a step that ran other tokens, a prefill chunk, is not reported).
+  ``propose`` calls), with the tokens vLLM scheduled for each row (``input_batch.num_scheduled_tokens``: 1 +
+  the draft slots it verified, padding included); a step with a prefill in it ran other tokens too, and is
+  not reported.
 
 Not used: ``last_hidden_states`` (the target's top-k at the verified rows would let token recycling draft
 here; it is not built: ``options.VLLM_FIXED``), ``attn_metadata`` and ``slot_mappings`` (no draft model).
@@ -180,7 +182,12 @@ class FreespecSpeculator(BaseSpeculator):
     def _propose(self, input_batch, num_sampled, num_reqs: int, began: float, num_speculative_tokens) -> None:
         core = self.core
         req_ids = list(input_batch.req_ids[:num_reqs])
-        core._scheduled_tokens = int(input_batch.num_tokens)  # a step of other tokens too is not reported
+        # the forward just run fed each row what vLLM scheduled (1 + the draft slots it verified, padding
+        # included); a step with a prefill in it ran other tokens too, and is not reported
+        prefill = bool(getattr(input_batch, "has_prefill", False))
+        core._last_rows = () if prefill else (tuple(req_ids), tuple(input_batch.num_scheduled_tokens[:num_reqs].tolist()))
+        core.num_mixed_steps += prefill and core._step_began is not None
+        core._scheduled_tokens = None
         core._report_forward(began)
         core.requests.release_absent(self.req_states.req_id_to_index)  # preempted since the last step
         sampled_of, totals, rows = self._to_host(input_batch, num_sampled, num_reqs, req_ids)
