@@ -892,3 +892,32 @@ def test_isolated_from_the_config_file(tmp_path, monkeypatch):
     config.write_text(json.dumps({"isolated": "yes"}))
     with pytest.raises(ValueError, match=r"'isolated' must be true or false, got 'yes'"):
         options.check_config(config)
+
+
+def test_a_step_syncs_every_row_before_drafting_any_and_a_failure_costs_its_request(monkeypatch, recording):
+    """As generate() and the vLLM proposer do a step: every request's committed tokens reach the drafter, then one
+    propose_batch drafts the rows; where it raises, the rows are drafted one by one and only the failing request
+    goes without a draft (its state dropped, restarted at its next step)."""
+    corpus = DraftServer(max_trie_depth=4, draft_token_num=5, drafter=recording)
+    drafter = corpus.drafter
+    proposed = []
+    real_propose = type(drafter)._propose
+
+    def recorded(self, request_id, budget):
+        proposed.append(request_id)
+        self.events.append(("propose", request_id))
+        if request_id == "b" and getattr(self, "fail_b", False):
+            raise RuntimeError("b fails")
+        return real_propose(self, request_id, budget)
+
+    monkeypatch.setattr(type(drafter), "_propose", recorded)
+    corpus.batch_get(["a", "b"], [[1, 2], [5, 6]], [2, 2])
+    drafter.events.clear()
+    corpus.batch_get(["a", "b"], [[1, 2, 3], [5, 6, 7]], [3, 3])
+    assert drafter.events == [("extend", "a", [3]), ("extend", "b", [7]), ("propose", "a"), ("propose", "b")]
+    drafter.fail_b = True
+    proposed.clear()
+    token_ids, _ = corpus.batch_get(["a", "b"], [[2, 3, 4], [6, 7, 8]], [4, 4])
+    assert proposed == ["a", "b", "a", "b"]  # the batch, then row by row
+    assert "b" not in drafter._contexts and "a" in drafter._contexts  # b dropped; a drafts on
+    assert corpus.errors.count >= 1

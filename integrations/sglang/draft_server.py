@@ -217,12 +217,13 @@ class DraftServer:
             self._external.poll()
             if self._requests.release_absent(req_ids):
                 self._write_stats()
-            drafts = []
-            for row, (req_id, tail, total_len) in enumerate(zip(req_ids, batch_tokens, total_lens)):
+            tails = []
+            for row, tail in enumerate(batch_tokens):
                 tail = list(tail) if isinstance(tail, list) else np.asarray(tail).reshape(-1).tolist()
                 if tail:
                     root_ids[row] = tail[-1]
-                drafts.append(self._draft(req_id, tail, int(total_len)))
+                tails.append(tail)
+            drafts = self._draft_rows(req_ids, tails, total_lens)
             self._offered.clear()
             self._hints.clear()
             num_nodes = np.zeros(len(drafts), np.int64)
@@ -235,17 +236,39 @@ class DraftServer:
         self._count(int(num_nodes.sum()), len(req_ids))
         return out
 
-    def _draft(self, req_id: Hashable, tail: list, total_len: int) -> Draft:
-        """One request's draft this step; an empty one when it has no tokens or its drafting fails."""
-        if not tail:  # nothing committed: nothing to draft from
-            return _EMPTY
+    def _draft_rows(self, req_ids: Sequence[Hashable], tails: list[list], total_lens: Sequence[int]) -> list[Draft]:
+        """Each request's draft this step: every row's committed tokens reach the drafter first, then one
+        ``Drafter.propose_batch`` drafts the rows (as ``generate()`` and the vLLM proposer do a step: each draft
+        reads every outcome of the step). An empty draft where a request has no tokens or its sync fails, and,
+        where the batch call raises, row by row, so a failure costs its request alone (its state is dropped; it
+        restarts at its next step)."""
+        drafts, synced = [_EMPTY] * len(req_ids), []
+        for row, (req_id, tail, total_len) in enumerate(zip(req_ids, tails, total_lens)):
+            if not tail:  # nothing committed: nothing to draft from
+                continue
+            try:
+                self._sync(req_id, tail, int(total_len))
+                synced.append(row)
+            except Exception as exc:
+                self._drop(req_id, exc)
         try:
-            self._sync(req_id, tail, total_len)
-            return self.drafter.propose(req_id, self._budget)
-        except Exception as exc:
-            self.errors.record(f"request:{type(exc).__name__}", exc, req_id)
-            self._requests.discard(req_id)
-            return _EMPTY
+            for row, draft in zip(synced, self.drafter.propose_batch([req_ids[row] for row in synced],
+                                                                     [self._budget] * len(synced))):
+                drafts[row] = draft
+            return drafts
+        except Exception:  # the failing request is found, and dropped, row by row below
+            pass
+        for row in synced:
+            try:
+                drafts[row] = self.drafter.propose(req_ids[row], self._budget)
+            except Exception as exc:
+                self._drop(req_ids[row], exc)
+        return drafts
+
+    def _drop(self, req_id: Hashable, exc: Exception) -> None:
+        """A request whose drafting failed: recorded, its state dropped (it restarts at its next step)."""
+        self.errors.record(f"request:{type(exc).__name__}", exc, req_id)
+        self._requests.discard(req_id)
 
     def offer_contexts(self, requests: Iterable[tuple]) -> None:
         """``(req_id, prompt_ids, output_ids[, drafting_prompt_ids[, custom_params]])`` of the coming batch.
