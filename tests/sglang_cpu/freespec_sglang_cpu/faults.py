@@ -10,18 +10,26 @@ class InjectedFault(RuntimeError):
 
 
 def inject(rid_prefix: str) -> None:
-    """``MixtureDrafter.propose`` raises ``InjectedFault`` for requests whose id starts with ``rid_prefix``."""
+    """The mixture drafter raises ``InjectedFault`` whenever it drafts for a request whose id starts with
+    ``rid_prefix``: ``propose`` for that request, ``propose_batch`` for a step that holds one."""
     from freespec.drafters.mixture import MixtureDrafter
 
-    original = MixtureDrafter.propose
-    if getattr(original, "injected_fault", False):
-        return
+    def chosen(request_id) -> bool:
+        return isinstance(request_id, str) and request_id.startswith(rid_prefix)
 
-    @functools.wraps(original)
-    def propose(self, request_id, budget):
-        if isinstance(request_id, str) and request_id.startswith(rid_prefix):
-            raise InjectedFault(f"fault injected for request {request_id!r}")
-        return original(self, request_id, budget)
+    def wrap(name: str, hit):
+        original = getattr(MixtureDrafter, name, None)
+        if original is None or getattr(original, "injected_fault", False):
+            return
 
-    propose.injected_fault = True
-    MixtureDrafter.propose = propose
+        @functools.wraps(original)
+        def faulty(self, request_ids, *args, **kwargs):
+            if hit(request_ids):
+                raise InjectedFault(f"fault injected into {name} for {request_ids!r}")
+            return original(self, request_ids, *args, **kwargs)
+
+        faulty.injected_fault = True
+        setattr(MixtureDrafter, name, faulty)
+
+    wrap("propose", chosen)
+    wrap("propose_batch", lambda request_ids: any(chosen(r) for r in request_ids))

@@ -61,20 +61,27 @@ def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, e
     """``req_to_token[req_pool_indices[b], start[b]:end[b]] = out_cache_loc[o_b : o_b + end[b] - start[b]]``,
     ``o_b`` the lengths of the requests before ``b`` (a request's new slots, written into its row).
 
+    Addressed as the Triton kernel addresses it, from the row's start in the flat buffer: a span that runs
+    past the row's ``pool_len`` entries goes on into the next row's memory, as it does on a GPU.
     Example: rows [1], start [2], end [4], out_cache_loc [40, 41] -> req_to_token[1, 2:4] = [40, 41].
     """
+    flat = req_to_token.view(-1)
     pools = req_pool_indices.to(torch.int64).cpu().tolist()
     for row, start, end, out_start in _spans(start_offset, end_offset):
-        req_to_token[pools[row], start:end] = out_cache_loc[out_start:out_start + end - start].to(req_to_token.dtype)
+        base = pools[row] * int(pool_len)
+        flat[base + start:base + end] = out_cache_loc[out_start:out_start + end - start].to(flat.dtype)
 
 
 def assign_extend_cache_locs_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
                                  pool_len) -> None:
     """The reverse copy: ``out_cache_loc[o_b : o_b + end[b] - start[b]] = req_to_token[req_pool_indices[b],
-    start[b]:end[b]]`` (the slots of each request's draft tokens, read from its row)."""
+    start[b]:end[b]]`` (the slots of each request's draft tokens, read from its row; addressed in the flat
+    buffer, as above)."""
+    flat = req_to_token.view(-1)
     pools = req_pool_indices.to(torch.int64).cpu().tolist()
     for row, start, end, out_start in _spans(start_offset, end_offset):
-        out_cache_loc[out_start:out_start + end - start] = req_to_token[pools[row], start:end].to(out_cache_loc.dtype)
+        base = pools[row] * int(pool_len)
+        out_cache_loc[out_start:out_start + end - start] = flat[base + start:base + end].to(out_cache_loc.dtype)
 
 
 def fill_accept_out_cache_loc_cpu(accept_index, out_cache_loc, accept_out_cache_loc) -> None:
