@@ -9,7 +9,9 @@ The runner, workloads, engine order, concurrency phases, summary and soak are
 ``freespec.integrations.serving_bench``'s, shared with vLLM's benchmark; this module adds how SGLang starts
 (an ``sglang.Engine`` per configuration in a subprocess; ``python -m sglang.launch_server`` for the soak) and how
 it is asked (``Engine.generate`` on token ids; the accepted and drafted lengths from each request's
-``meta_info``: ``spec_verify_ct``, ``spec_num_correct_drafts``, ``spec_num_proposed_drafts``).
+``meta_info``: ``spec_verify_ct``, ``spec_num_correct_drafts``, ``spec_num_proposed_drafts``). SGLang counts
+D - 1 proposed tokens for every verify step, however many of the D slots a drafter filled, so the table's
+mean draft length is D - 1 for every speculative method.
 
 Methods: ``plain`` (no speculation), ``ngram-default`` (``--speculative-algorithm NGRAM`` with SGLang's own
 number of draft tokens), ``ngram`` (NGRAM at each ``--k`` D), ``freespec`` (NGRAM whose drafts come from
