@@ -95,14 +95,15 @@ def _speculative_config(k: int = K, **extra):
 class V2Runner:
     """vLLM 0.34's model runner as far as a speculator sees it, over vLLM's own classes (module docstring)."""
 
-    def __init__(self, monkeypatch, drafter=None, k=K):
+    def __init__(self, monkeypatch, drafter=None, k=K, tensor_parallel_size=1):
         assert plugin.register(), "the plugin registered nothing on vLLM 0.34"
         assert get_custom_speculator_config_class(plugin.METHOD) is FreespecSpeculatorConfig
         if drafter is not None:
             monkeypatch.setattr(options, "build_drafter", lambda opts: drafter)
         config = SimpleNamespace(speculative_config=_speculative_config(k, enable_adaptive_verification=True),
                                  scheduler_config=SimpleNamespace(max_num_seqs=MAX_NUM_REQS),
-                                 model_config=_target_config())
+                                 model_config=_target_config(),
+                                 parallel_config=SimpleNamespace(tensor_parallel_size=tensor_parallel_size))
         self.req_states = CPURequestState(MAX_NUM_REQS, MAX_MODEL_LEN, 1024, 1000, torch.device("cpu"))
         self.speculator = init_speculator(config, torch.device("cpu"), self.req_states)
         assert isinstance(self.speculator, FreespecSpeculator)
@@ -346,3 +347,9 @@ def test_the_forward_is_reported_with_the_tokens_vllm_scheduled(monkeypatch):
     forwards = [event for event in drafter.events if event[0] == "forward"]
     assert forwards == [("forward", ("a",), (1 + K,), 0.5)]
     assert v2.speculator.core.num_mixed_steps == 1
+    # tensor parallel ranks draft from the tokens alone: no step time reaches the drafter
+    drafter = Timed()
+    v2 = V2Runner(monkeypatch, drafter, tensor_parallel_size=2)
+    v2.step(["a"], {"a": [3]}, new={"a": ([1, 2, 3], None)})
+    v2.step(["a"], {"a": [4, 5]})
+    assert not [event for event in drafter.events if event[0] == "forward"]

@@ -31,7 +31,8 @@ proposer runs too, and so ``host_requests.HostRequests``):
 - **the forward's time** goes to the drafter's cost model as under 0.32-0.33 (the time between two
   ``propose`` calls), with the tokens vLLM scheduled for each row (``input_batch.num_scheduled_tokens``: 1 +
   the draft slots it verified, padding included); a step with a prefill in it ran other tokens too, and is
-  not reported.
+  not reported. Under tensor parallelism no step time is reported: each rank drafts for itself and keeps its
+  drafts on its device, so the ranks must draft alike, from the tokens alone.
 
 Not used: ``last_hidden_states`` (the target's top-k at the verified rows would let token recycling draft
 here; it is not built: ``options.VLLM_FIXED``), ``attn_metadata`` and ``slot_mappings`` (no draft model).
@@ -111,6 +112,10 @@ class FreespecSpeculator(BaseSpeculator):
         self.enable_adaptive_verification = bool(getattr(spec, "enable_adaptive_verification", False))
         self.draft_token_confidence_probs = torch.zeros(max_num_reqs, k, dtype=torch.float32, device=self.device)
         self._positions = torch.arange(k + 1 + TAIL_OVERLAP, device=self.device)  # a row's tail, oldest first
+        # under tensor parallelism every rank drafts for itself and vLLM 0.34 keeps each rank's drafts on its device,
+        # so the ranks must draft alike: from the tokens alone, without the step times each rank measures
+        parallel = getattr(vllm_config, "parallel_config", None)
+        self.reports_step_times = int(getattr(parallel, "tensor_parallel_size", 1) or 1) == 1
         self._slot_args: dict[int, Any] = {}  # request slot -> its extra_args (set_hints), until the slot's next use
         self._pin = self.device.type == "cuda" and torch.cuda.is_available()
         self.num_copies_to_host = self.num_copies_to_device = 0  # every copy between host and device, counted
@@ -185,7 +190,7 @@ class FreespecSpeculator(BaseSpeculator):
         # the forward just run fed each row what vLLM scheduled (1 + the draft slots it verified, padding
         # included); a step with a prefill in it ran other tokens too, and is not reported
         prefill = bool(getattr(input_batch, "has_prefill", False))
-        core._last_rows = () if prefill else (tuple(req_ids), tuple(input_batch.num_scheduled_tokens[:num_reqs].tolist()))
+        core._last_rows = () if prefill or not self.reports_step_times else (tuple(req_ids), tuple(input_batch.num_scheduled_tokens[:num_reqs].tolist()))
         core.num_mixed_steps += prefill and core._step_began is not None
         core._scheduled_tokens = None
         core._report_forward(began)
