@@ -188,7 +188,7 @@ def _recorded_sequence(seed: int, num_steps: int = 60):
             if len(ids) + 4 >= MAX_MODEL_LEN - 8:
                 continue  # leaves at the next step
             count = 1 if req_id in new else int(rng.integers(1, 4))
-            sampled[req_id] = [ids[(len(ids) + j) % 7] for j in range(count)]  # a pattern of its own tokens
+            sampled[req_id] = [ids[(len(ids) + j) % min(7, len(ids))] for j in range(count)]  # its own tokens, repeated
             ids.extend(sampled[req_id])
         rows = list(running)
         rng.shuffle(rows)  # the V2 runner orders its batch for itself, step by step
