@@ -48,21 +48,21 @@ def _describe(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def parse_hints(values, channel: str) -> Hints | None:
+def parse_hints(values, channel: str, note: str = "") -> Hints | None:
     """The hints in ``values`` (a request's per-request dict; None without any); ``ValueError`` naming
-    ``channel[key]`` when one is malformed. ``documents``: a text, or a list of texts or of token-id lists;
-    ``prediction``: a text or a list of token ids."""
+    ``channel[key]`` (then ``note``) when one is malformed. ``documents``: a list of texts or of token-id
+    lists (or one text); ``prediction``: a text or a list of token ids."""
     if not isinstance(values, dict) or not any(key in values for key in HINT_KEYS):
         return None
     documents = values.get("documents", ())
     if isinstance(documents, str):
         documents = (documents,)
     if not isinstance(documents, (list, tuple)) or not all(isinstance(d, str) or _token_ids(d) for d in documents):
-        raise ValueError(f"{channel}['documents'] must be a text, or a list of texts or of token-id lists, got "
-                         f"{_describe(documents)}")
+        raise ValueError(f"{channel}['documents']{note} must be a list of texts, or of token-id lists (or one "
+                         f"text), got {_describe(documents)}")
     prediction = values.get("prediction")
     if prediction is not None and not (isinstance(prediction, str) or _token_ids(prediction)):
-        raise ValueError(f"{channel}['prediction'] must be a text or a list of token ids, got "
+        raise ValueError(f"{channel}['prediction']{note} must be a text or a list of token ids, got "
                          f"{_describe(prediction)}")
     return Hints(tuple(d if isinstance(d, str) else tuple(d) for d in documents),
                  prediction if prediction is None or isinstance(prediction, str) else tuple(prediction))

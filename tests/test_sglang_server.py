@@ -12,7 +12,6 @@ from __future__ import annotations
 import http.client
 import json
 import subprocess
-import sys
 import time
 
 import pytest

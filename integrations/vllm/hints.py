@@ -19,20 +19,9 @@ naming the key, before it reaches the engine. It changes no logits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from ..host_serving import HINT_KEYS, Hints, parse_hints
 
-HINT_KEYS = ("documents", "prediction")
-
-
-@dataclass(frozen=True)
-class Hints:
-    documents: tuple = ()  # texts (str) or token-id lists
-    prediction: str | tuple | None = None  # text, or token ids
-
-
-def _token_ids(value) -> bool:
-    return isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                    for t in value)
+__all__ = ["HINT_KEYS", "Hints", "parse"]
 
 
 def parse(extra_args) -> Hints | None:
@@ -40,22 +29,4 @@ def parse(extra_args) -> Hints | None:
 
     ``parse({"documents": "a text", "prediction": [5, 6]}) -> Hints(documents=("a text",), prediction=(5, 6))``
     """
-    if not extra_args or not any(key in extra_args for key in HINT_KEYS):
-        return None
-    documents = extra_args.get("documents", ())
-    if isinstance(documents, str):
-        documents = (documents,)
-    if not isinstance(documents, (list, tuple)) or not all(isinstance(d, str) or _token_ids(d) for d in documents):
-        raise ValueError("extra_args['documents'] (vllm_xargs over HTTP) must be a list of texts, or of token-id "
-                         f"lists, got {_describe(documents)}")
-    prediction = extra_args.get("prediction")
-    if prediction is not None and not (isinstance(prediction, str) or _token_ids(prediction)):
-        raise ValueError("extra_args['prediction'] (vllm_xargs over HTTP) must be a text or a list of token ids, "
-                         f"got {_describe(prediction)}")
-    return Hints(tuple(d if isinstance(d, str) else tuple(d) for d in documents),
-                 prediction if prediction is None or isinstance(prediction, str) else tuple(prediction))
-
-
-def _describe(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return parse_hints(extra_args, "extra_args", " (vllm_xargs over HTTP)")

@@ -62,7 +62,6 @@ vocabulary.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -73,8 +72,9 @@ from typing import Hashable
 import numpy as np
 
 from freespec.draft import Budget, Draft
-from freespec.drafters.base import ForwardReport, encode_text
+from freespec.drafters.base import ForwardReport
 
+from .. import host_serving
 from ..host_requests import HostRequests
 from . import hints, options
 from .version import check_vllm_version
@@ -253,29 +253,19 @@ class BatchDrafter:
                 "drafted_tokens": self.num_drafted, "errors": self.num_errors, "hint_errors": self.num_hint_errors,
                 "history_tokens": None if history is None else history.num_tokens,
                 "history_bytes": None if history is None else history.nbytes,
-                "process_rss_mb": _resident_mb()}
+                "process_rss_mb": host_serving.resident_mb()}
 
     def write_stats(self, path: str) -> None:
         """``stats()`` as JSON at ``path`` (replaced atomically); the proposer writes it after requests leave
         when ``FREESPEC_VLLM_STATS`` names a file."""
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as out:
-            json.dump({**self.stats(), "pid": os.getpid(), "time": time.time()}, out)
-        os.replace(tmp, path)
+        host_serving.write_stats(path, self.stats())
 
     def _add_hints(self, req_id: Hashable) -> None:
         """A (re)started request's ``documents`` / ``prediction`` from its ``SamplingParams.extra_args``."""
         try:
             found = hints.parse(self.extra_args_of(req_id))
-            if found is None:
-                return
-            if found.documents:
-                self.drafter.add_documents(req_id, list(found.documents), self._tokenizer_for(found.documents))
-            if found.prediction is not None:
-                prediction = found.prediction
-                ids = encode_text(prediction, self._tokenizer_for([prediction])) if isinstance(prediction, str) \
-                    else np.asarray(prediction, np.int64)
-                self.drafter.add_prediction(req_id, ids)
+            if found is not None:
+                host_serving.add_hints(self.drafter, req_id, found, self._tokenizer_for)
         except Exception as exc:  # the request drafts without its hints
             self.num_hint_errors += 1
             self._error(f"hints:{type(exc).__name__}", exc, req_id)
@@ -404,15 +394,6 @@ class Proposer(BatchDrafter):
     def extra_args_of(self, req_id: Hashable):
         state = self._runner.requests.get(req_id) if self._runner is not None else None
         return getattr(getattr(state, "sampling_params", None), "extra_args", None)
-
-
-def _resident_mb() -> float | None:
-    """This process's resident memory in MB (Linux ``/proc/self/statm``), or None."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return round(int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _find_holder(proposer, max_frames: int = 8):
