@@ -85,19 +85,8 @@ def from_env(environ=os.environ) -> VllmOptions:
 
 def build_drafter(opts: VllmOptions):
     """The configured drafter under vLLM; ``ValueError`` naming the origin, the drafter and the option."""
-    from freespec.drafters import drafter_class
-
-    drafter_options = dict(opts.drafter_options)
-    if opts.isolated:
-        for option, value in drafter_class(opts.drafter).isolation_options.items():
-            if option in drafter_options and drafter_options[option] != value:
-                raise ValueError(f"{opts.where}: 'isolated' is true, so drafter {opts.drafter!r} option {option!r} "
-                                 f"must be {value!r}, got {drafter_options[option]!r}")
-            drafter_options[option] = value
+    drafter_options = host_options.with_isolation(opts.drafter, opts.drafter_options, opts.isolated, opts.where)
     if opts.drafter == "mixture":
-        for option, value in VLLM_DEFAULTS.items():
-            if option == "history_tokens" and "history" in drafter_options:
-                continue  # a history of the caller's own
-            drafter_options.setdefault(option, value)
+        drafter_options = host_options.with_defaults(opts.drafter, drafter_options, VLLM_DEFAULTS)
     return host_options.build_drafter(opts.drafter, drafter_options, opts.where, VLLM_FIXED, "vLLM",
                                       "vLLM does not hand to a custom_class proposer")
