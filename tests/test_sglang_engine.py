@@ -90,9 +90,10 @@ def freespec(request, tmp_path_factory, stats_path):
 
 @pytest.fixture(scope="module")
 def reference(plain, workload):
-    """Plain SGLang's outputs for the workload, one request at a time."""
+    """Plain SGLang's outputs for the workload (all at once: in float32 on this CPU they are its outputs one
+    at a time too, which the concurrency-1 comparison below also checks)."""
     prompts, params = workload
-    return [_ids(plain.generate([p], q))[0] for p, q in zip(prompts, params)]
+    return _ids(plain.generate(prompts, params))
 
 
 def _ids(outputs):
@@ -104,6 +105,8 @@ def _ids(outputs):
 @pytest.mark.parametrize("concurrency", [1, 4, 16])
 def test_greedy_identical_to_plain_sglang(freespec, workload, reference, concurrency):
     prompts, params = workload
+    if concurrency == 1:  # six of them one at a time (the time a CI run can give)
+        prompts, params = prompts[:6], params[:6]
     got = []
     for start in range(0, len(prompts), concurrency):
         got += _ids(freespec.generate(prompts[start:start + concurrency], params[start:start + concurrency]))
@@ -201,12 +204,15 @@ def test_malformed_hint_fails_that_request_only(freespec, workload, reference):
     assert _ids(freespec.generate([prompts[0]], params[0])) == reference[:1]
 
 
-def test_repeated_request_drafts_from_history(freespec, workload, reference):
-    """A request sent again drafts from the first one's output (the history, on by default): fewer steps."""
-    prompts, params = workload
-    i = 9  # an open question: its own prompt holds little of its answer
-    first = freespec.generate([prompts[i]], dict(params[i], max_new_tokens=48, stop=None))[0]
-    again = freespec.generate([prompts[i]], dict(params[i], max_new_tokens=48, stop=None))[0]
+def test_repeated_request_drafts_from_history(freespec, tokenizer):
+    """A request sent again drafts from the first one's output (the history, on by default): fewer steps.
+    An open question: its own prompt holds little of its answer."""
+    question = tokenizer.apply_chat_template([{"role": "user", "content": "Describe the water cycle."}],
+                                             add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer(question, add_special_tokens=False)["input_ids"]  # asked nowhere else in this module
+    params = {"temperature": 0, "max_new_tokens": 48}
+    first = freespec.generate([prompt], params)[0]
+    again = freespec.generate([prompt], params)[0]
     assert first["output_ids"] == again["output_ids"]
     assert again["meta_info"]["spec_verify_ct"] < first["meta_info"]["spec_verify_ct"], \
         (first["meta_info"], again["meta_info"])
