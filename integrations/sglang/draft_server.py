@@ -300,17 +300,7 @@ class DraftServer:
 
     def erase_match_state(self, req_ids: Iterable[Hashable]) -> None:
         """Requests that left the decode batch: ``drafter.stop`` them (a later return restarts)."""
-        leaving = set(req_ids)
-        try:
-            self._requests.release([r for r in self._requests.ids() if r in leaving])  # batch order, not set order
-        except Exception as exc:
-            self.errors.record(f"release:{type(exc).__name__}", exc)
-            for req_id in [r for r in self._requests.ids() if r in leaving]:
-                self._requests.discard(req_id)
-        for req_id in leaving:
-            self._offered.pop(req_id, None)
-            self._hints.pop(req_id, None)
-        self._write_stats()
+        self._release(list(req_ids))
 
     def release_idle(self) -> None:
         """The engine has no request left (its idle hook): release every request still held.
@@ -319,16 +309,23 @@ class DraftServer:
         the next verify step, so the last batch before the engine goes idle would
         stay held (and out of the drafter's history) until the next request.
         """
-        if not len(self._requests):
-            return
+        if len(self._requests):
+            self._release(list(self._requests.ids()))
+
+    def _release(self, req_ids: list) -> None:
+        """Stop the held ones among ``req_ids`` in the order they were started (never set order), forget what
+        was offered for any of them; a drafter that fails to stop one still loses its state."""
+        leaving = set(req_ids)
+        held = [r for r in self._requests.ids() if r in leaving]
         try:
-            self._requests.release_all()
+            self._requests.release(held)
         except Exception as exc:
             self.errors.record(f"release:{type(exc).__name__}", exc)
-            for req_id in list(self._requests.ids()):
+            for req_id in held:
                 self._requests.discard(req_id)
-        self._offered.clear()
-        self._hints.clear()
+        for req_id in leaving:
+            self._offered.pop(req_id, None)
+            self._hints.pop(req_id, None)
         self._write_stats()
 
     def reset(self) -> None:
